@@ -1,0 +1,60 @@
+"""Error types the agent raises on purpose.
+
+``ConfigError`` is a user's mistake in configuration: the CLI prints its one
+line and exits 2.  ``ApiError`` is a request that cannot be served: the API
+layer renders it in OpenAI's error shape with its status.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attr
+
+
+class ConfigError(Exception):
+    """A configuration mistake; ``str()`` is the whole one-line message."""
+
+
+@attr.s(auto_attribs=True, frozen=True, auto_exc=True)
+class ApiError(Exception):
+    """A request failure with its HTTP status and OpenAI error fields."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: Optional[str] = None
+    retry_after: Optional[int] = None
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.code or self.type}: {self.message}"
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "code": self.code,
+            }
+        }
+
+
+def model_not_found(name: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model {name!r} does not exist on this node",
+        "invalid_request_error",
+        "model_not_found",
+    )
+
+
+def model_load_failed(message: str, retry_after: int = 5) -> ApiError:
+    return ApiError(503, message, "server_error", "model_load_failed", retry_after)
+
+
+def model_load_timeout(message: str, retry_after: int = 5) -> ApiError:
+    return ApiError(503, message, "server_error", "model_load_timeout", retry_after)
+
+
+def upstream_error(message: str) -> ApiError:
+    return ApiError(502, message, "server_error", "upstream_error")

@@ -1,0 +1,106 @@
+"""Build a ``llama-server`` argument vector from a model entry.
+
+A pure function, so the mapping can be checked exhaustively: structured fields
+become the current llama-server flags, ``server_args`` follow in config order,
+the agent's own ``--model/--host/--port`` come first, and device defaults (the
+cpu backend's ``--cpu-range`` and ``--threads``) apply only where the model did
+not set the flag itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Mapping, Optional, Sequence
+
+from rolemesh.config import STRUCTURED_FLAGS, ModelConfig, normalize_flag
+
+#: Flags whose list values llama-server takes comma-joined; any other list
+#: repeats the flag once per element (``--lora a --lora b``).
+JOINED_LIST_FLAGS = frozenset({"tensor-split", "ts", "device", "dev", "override-tensor", "ot"})
+
+CHILD_HOST = "127.0.0.1"
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def structured_args(model: ModelConfig) -> List[str]:
+    """The flags the model's structured fields set, in a fixed order."""
+    argv: List[str] = ["--alias", model.served_name]
+    for field, flags in STRUCTURED_FLAGS.items():
+        if field == "alias":
+            continue
+        value = getattr(model, field)
+        if value is None:
+            continue
+        if field == "tensor_split":
+            value = ",".join(_number(v) for v in value)
+        argv += ["--" + flags[0], _number(value)]
+    return argv
+
+
+def _spelling(flag: str) -> str:
+    """llama.cpp spells short flags with one dash (``-ngl``, ``-np``, ``-c``)."""
+    return "-" + flag if len(flag) <= 3 and "-" not in flag else "--" + flag
+
+
+def server_args(pairs: Sequence[tuple]) -> List[str]:
+    """``true`` -> bare flag, ``false``/null -> omitted, lists repeat or join."""
+    argv: List[str] = []
+    for flag, value in pairs:
+        if value is None or value is False:
+            continue
+        name = _spelling(flag)
+        if value is True:
+            argv.append(name)
+        elif isinstance(value, (list, tuple)):
+            if flag in JOINED_LIST_FLAGS:
+                argv += [name, ",".join(_number(v) for v in value)]
+            else:
+                for v in value:
+                    argv += [name, _number(v)]
+        else:
+            argv += [name, _number(value)]
+    return argv
+
+
+def flags_set_by(model: ModelConfig) -> frozenset:
+    """Every flag spelling the model already sets (structured or server_args)."""
+    names = set()
+    for field, flags in STRUCTURED_FLAGS.items():
+        if field == "alias" or getattr(model, field) is not None:
+            names.update(flags)
+    for flag, value in model.server_args:
+        if value is not None and value is not False:
+            names.add(flag)
+    return frozenset(names)
+
+
+def build_argv(
+    binary: str,
+    model: ModelConfig,
+    port: int,
+    host: str = CHILD_HOST,
+    device_defaults: Optional[Mapping[str, Any]] = None,
+) -> List[str]:
+    """The full argv for one child: binary, agent-owned flags, model flags.
+
+    ``device_defaults`` maps flag names (e.g. ``threads``, ``cpu-range``) to
+    values the device backend wants unless the model sets them itself.
+    """
+    argv = [binary, "--model", model.path, "--host", host, "--port", str(port)]
+    argv += structured_args(model)
+    argv += server_args(model.server_args)
+    if device_defaults:
+        already = flags_set_by(model)
+        aliases = {flag: set(flags) for flags in STRUCTURED_FLAGS.values() for flag in flags}
+        extra = []
+        for key, value in device_defaults.items():
+            flag = normalize_flag(key)
+            if already & aliases.get(flag, {flag}):
+                continue
+            extra.append((flag, value))
+        argv += server_args(extra)
+    return argv

