@@ -1,0 +1,302 @@
+"""The HTTP API: OpenAI-compatible routes and the node's own endpoints.
+
+Routes are thin: parse and check the request, ask the node for a device
+(:meth:`rolemesh.node.Node.acquire`), hand the bytes to the proxy.  Every
+error leaves here in OpenAI's shape (``{"error": {"message", "type",
+"code"}}``) with its status; nothing a client sends produces a traceback.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import time
+import uuid
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from klein import Klein
+from twisted.internet import defer
+from twisted.logger import Logger
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
+
+from rolemesh import errors
+from rolemesh.config import NodeConfig
+from rolemesh.node import Node
+from rolemesh.proxy import CLIENT_GONE, TRUNCATED, Proxy
+from rolemesh.supervisor import READY
+
+log = Logger()
+
+#: Longest model name accepted; longer ones are a client bug, not a lookup.
+MAX_MODEL_NAME = 256
+#: Lines the logs endpoint returns at most.
+MAX_LOG_TAIL = 1000
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_CREATED = int(time.time())
+
+PROXIED = {
+    "chat/completions": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
+
+
+def _json(request: Any, status: int, body: Any) -> bytes:
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", b"application/json")
+    return json.dumps(body).encode("utf-8")
+
+
+def _error(request: Any, error: errors.ApiError) -> bytes:
+    if error.retry_after is not None:
+        request.setHeader(b"retry-after", str(error.retry_after).encode())
+    if error.status == 401:
+        request.setHeader(b"www-authenticate", b'Bearer realm="rolemesh-node"')
+    return _json(request, error.status, error.body())
+
+
+def _bad_request(message: str, code: str = "invalid_request") -> errors.ApiError:
+    return errors.ApiError(400, message, "invalid_request_error", code)
+
+
+def parse_body(body: bytes, limit: int) -> Dict[str, Any]:
+    """Check a proxied request body and return it parsed (pure: no I/O)."""
+    if len(body) > limit:
+        raise errors.ApiError(
+            413,
+            f"request body is {len(body)} bytes; the limit is {limit} (max_request_body_bytes)",
+            "invalid_request_error",
+            "request_too_large",
+        )
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _bad_request("request body is not UTF-8") from None
+    try:
+        payload = json.loads(text)
+    except ValueError as e:
+        raise _bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(payload, dict):
+        raise _bad_request("request body must be a JSON object")
+    model = payload.get("model")
+    if model is None:
+        raise _bad_request('request body has no "model"', "missing_model")
+    if not isinstance(model, str) or not model:
+        raise _bad_request('"model" must be a non-empty string', "invalid_model")
+    if len(model) > MAX_MODEL_NAME:
+        raise _bad_request(f'"model" is longer than {MAX_MODEL_NAME} characters', "invalid_model")
+    return payload
+
+
+class NodeAPI:
+    """Klein routes over a :class:`Node` and a :class:`Proxy`."""
+
+    app = Klein()
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        node: Node,
+        proxy: Proxy,
+        registration: Optional[Callable[[], Dict[str, Any]]] = None,
+        render_metrics: Optional[Callable[[], bytes]] = None,
+        observers: Sequence[Callable[..., None]] = (),
+    ) -> None:
+        self.config = config
+        self.node = node
+        self.proxy = proxy
+        self._registration = registration
+        self._render_metrics = render_metrics
+        self._keys = [k.encode("utf-8") for k in config.api_keys]
+        #: Called as observer(event, **fields) for each finished proxied request.
+        self.observers = list(observers)
+
+    def resource(self) -> Any:
+        return self.app.resource()
+
+    # -- cross-cutting ----------------------------------------------------------
+
+    def _authorize(self, request: Any) -> None:
+        if not self._keys:
+            return
+        header = request.getHeader(b"authorization") or ""
+        scheme, _, token = header.partition(" ")
+        presented = token.strip().encode("utf-8", "replace")
+        ok = False
+        for key in self._keys:  # compare with every key: time does not leak which
+            ok |= hmac.compare_digest(presented, key)
+        if scheme.lower() != "bearer" or not ok:
+            raise errors.ApiError(
+                401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                "invalid_request_error", "invalid_api_key",
+            )
+
+    @app.handle_errors(errors.ApiError)
+    def _api_error(self, request: Any, failure: Any) -> bytes:
+        return _error(request, failure.value)
+
+    @app.handle_errors(NotFound)
+    def _not_found(self, request: Any, failure: Any) -> bytes:
+        path = request.path.decode("utf-8", "replace")[:200]
+        return _error(request, errors.ApiError(404, f"no route {path}", "invalid_request_error", "not_found"))
+
+    @app.handle_errors(MethodNotAllowed)
+    def _not_allowed(self, request: Any, failure: Any) -> bytes:
+        allowed = getattr(failure.value, "valid_methods", None) or []
+        if allowed:
+            request.setHeader(b"allow", ", ".join(allowed).encode())
+        method = request.method.decode("ascii", "replace")
+        return _error(request, errors.ApiError(405, f"method {method} not allowed here",
+                                               "invalid_request_error", "method_not_allowed"))
+
+    @app.handle_errors(HTTPException)
+    def _http_exception(self, request: Any, failure: Any) -> bytes:
+        e = failure.value
+        return _error(request, errors.ApiError(e.code or 400, e.description or e.name, "invalid_request_error"))
+
+    @app.handle_errors(Exception)
+    def _unexpected(self, request: Any, failure: Any) -> bytes:
+        log.failure("unexpected error answering {path}", failure, path=request.path)
+        return _error(request, errors.ApiError(500, "internal error in the node agent", "server_error",
+                                               "internal_error"))
+
+    # -- the agent's own routes ---------------------------------------------------------
+
+    @app.route("/health", methods=["GET"])
+    def health(self, request: Any) -> bytes:
+        return _json(request, 200, {"status": "ok", "draining": self.node.draining})
+
+    @app.route("/v1/models", methods=["GET"])
+    def models(self, request: Any) -> bytes:
+        self._authorize(request)
+        data = []
+        for model in self.config.models:
+            entry = {
+                "id": model.model_id,
+                "object": "model",
+                "created": _CREATED,
+                "owned_by": "rolemesh",
+                "roles": list(model.roles),
+                "loaded_on": [
+                    n for n in self.node.loaded_on(model.model_id) if self.node.supervisors[n].state == READY
+                ],
+                "loading_on": [
+                    n for n in self.node.loaded_on(model.model_id) if self.node.supervisors[n].state != READY
+                ],
+            }
+            if model.alias:
+                entry["aliases"] = [model.alias]
+            data.append(entry)
+        return _json(request, 200, {"object": "list", "data": data})
+
+    @app.route("/v1/node/inventory", methods=["GET"])
+    def inventory(self, request: Any) -> bytes:
+        self._authorize(request)
+        return _json(request, 200, self.node.inventory())
+
+    @app.route("/v1/node/registration", methods=["GET"])
+    def registration(self, request: Any) -> bytes:
+        self._authorize(request)
+        if self._registration is None:
+            raise errors.ApiError(404, "registration payload not available", "invalid_request_error", "not_found")
+        return _json(request, 200, self._registration())
+
+    @app.route("/v1/node/devices/<device>/logs", methods=["GET"])
+    def device_logs(self, request: Any, device: str) -> bytes:
+        self._authorize(request)
+        supervisor = self.node.supervisors.get(device)
+        if supervisor is None:
+            raise errors.ApiError(404, f"no device {device[:64]!r} on this node", "invalid_request_error",
+                                  "device_not_found")
+        raw = (request.args.get(b"tail") or [b"100"])[0]
+        try:
+            tail = int(raw)
+        except ValueError:
+            tail = -1
+        if not 0 <= tail <= MAX_LOG_TAIL:
+            raise _bad_request(f"tail must be an integer from 0 to {MAX_LOG_TAIL}", "invalid_tail")
+        return _json(request, 200, {"device": device, "lines": supervisor.log_tail(tail)})
+
+    @app.route("/metrics", methods=["GET"])
+    def metrics(self, request: Any) -> bytes:
+        self._authorize(request)
+        if self._render_metrics is None:
+            raise errors.ApiError(404, "metrics are not enabled", "invalid_request_error", "not_found")
+        request.setHeader(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
+        return self._render_metrics()
+
+    # -- proxied OpenAI routes ---------------------------------------------------------
+
+    @app.route("/v1/<path:endpoint>", methods=["POST"])
+    def openai(self, request: Any, endpoint: str) -> Any:
+        path = PROXIED.get(endpoint)
+        if path is None:
+            raise NotFound()
+        return self._proxy(request, endpoint, path)
+
+    def _request_id(self, request: Any) -> str:
+        given = request.getHeader(b"x-request-id")
+        rid = given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
+        request.setHeader(b"x-request-id", rid.encode("ascii"))
+        return rid
+
+    def _observe(self, **fields: Any) -> None:
+        for observer in self.observers:
+            try:
+                observer("request", **fields)
+            except Exception:
+                log.failure("request observer failed")
+
+    @defer.inlineCallbacks
+    def _proxy(self, request: Any, endpoint: str, path: str) -> Any:
+        started = time.monotonic()
+        rid = self._request_id(request)
+        model_id: Optional[str] = None
+        status = 500
+        try:
+            self._authorize(request)
+            if self.node.draining:
+                raise errors.ApiError(503, "the node is shutting down", "server_error", "shutting_down", 5)
+            body = request.content.read()
+            payload = parse_body(body, self.config.max_request_body_bytes)
+            model = self.node.resolve(payload["model"])
+            model_id = model.model_id
+            streaming = payload.get("stream") is True
+            lease = yield self.node.acquire(model)
+            try:
+                outcome = yield self.proxy.forward(
+                    request,
+                    lease.endpoint.base_url,
+                    path,
+                    body,
+                    streaming,
+                    timeout=None if streaming else self.config.request_timeout_s,
+                )
+            except errors.ApiError as e:
+                if e.code == "upstream_timeout":
+                    yield lease.supervisor.restart_if_unhealthy()
+                raise
+            finally:
+                lease.release()
+            status = request.code
+            if outcome == TRUNCATED:
+                request.loseConnection()
+            elif outcome == CLIENT_GONE:
+                status = 499
+            log.info(
+                "{method} {path} {model} -> {status} on {device} in {duration:.1f} ms",
+                method="POST", path=path, model=model_id, status=status, device=lease.device,
+                duration=(time.monotonic() - started) * 1000, request_id=rid,
+            )
+            return None
+        except errors.ApiError as e:
+            status = e.status
+            raise
+        except defer.CancelledError:
+            status = 499
+            raise
+        finally:
+            self._observe(endpoint=endpoint, model=model_id, status=status,
+                          duration=time.monotonic() - started)
+

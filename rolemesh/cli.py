@@ -1,0 +1,100 @@
+"""``rolemesh-node-agent``: validate a config (``--check``) or run the agent.
+
+Every configuration mistake is one line on stderr and exit status 2; the
+command never shows a traceback for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional, TextIO
+
+import yaml
+
+from rolemesh import __version__
+from rolemesh.config import NodeConfig, as_dict, load_config
+from rolemesh.errors import ConfigError
+from rolemesh.llama_args import build_argv
+
+PROG = "rolemesh-node-agent"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="RoleMesh Node Agent: one llama-server per device behind an OpenAI-compatible API.",
+    )
+    parser.add_argument("--config", required=True, metavar="BASE", help="base YAML configuration file")
+    parser.add_argument("--config-override", metavar="LOCAL",
+                        help="YAML file deep-merged over the base (models merge by model_id)")
+    parser.add_argument("--check", action="store_true",
+                        help="validate, print the resolved config and each model's llama-server command, exit")
+    parser.add_argument("--log-format", choices=("text", "json"), help="override log_format from the config")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return parser
+
+
+def check_report(config: NodeConfig, out: TextIO) -> None:
+    """What ``--check`` prints: resolved config, backend, devices, argv lists."""
+    from rolemesh.service import choose_backend, resolve_binary
+
+    choice = choose_backend(config)
+    binary = resolve_binary(config)
+    out.write("# resolved configuration (secrets redacted)\n")
+    out.write(yaml.safe_dump(as_dict(config), sort_keys=False))
+    out.write(f"\n# backend: {choice.backend.name} ({choice.reason})\n")
+    out.write("# devices: " + ", ".join(d.name for d in choice.devices) + "\n")
+    out.write("\n# llama-server command per model and device (<port> is picked at start)\n")
+    for model in config.models:
+        for device in choice.devices:
+            argv = build_argv(binary, model, 0, device_defaults=choice.backend.child_arguments(device))
+            argv[argv.index("--port") + 1] = "<port>"
+            out.write(f"{model.model_id} @ {device.name}: " + " ".join(argv) + "\n")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args.config, args.config_override)
+        if args.log_format:
+            import attr
+
+            config = attr.evolve(config, log_format=args.log_format)
+        if args.check:
+            check_report(config, sys.stdout)
+            return 0
+        return run(config)
+    except ConfigError as e:
+        sys.stderr.write(f"{PROG}: {e}\n")
+        return 2
+
+
+def run(config: NodeConfig) -> int:
+    """Run the agent in the foreground until a signal stops it."""
+    from twisted.internet import reactor
+    from twisted.logger import globalLogBeginner
+
+    from rolemesh.logs import make_observer
+    from rolemesh.service import make_service
+
+    service = make_service(config, reactor=reactor)  # ConfigError propagates: exit 2
+    globalLogBeginner.beginLoggingTo([make_observer(config.log_format, sys.stderr)], redirectStandardIO=False)
+    failed: List[BaseException] = []
+
+    def start() -> None:
+        try:
+            service.startService()
+        except Exception as e:  # e.g. the port is taken: say so, exit non-zero
+            failed.append(e)
+            sys.stderr.write(f"{PROG}: cannot start: {e}\n")
+            reactor.stop()
+
+    reactor.callWhenRunning(start)
+    reactor.addSystemEventTrigger("before", "shutdown", lambda: service.stopService() if service.running else None)
+    reactor.run(installSignalHandlers=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,364 @@
+"""The node: every device's supervisor, the scheduler between them, and the
+metrics sampler -- the one place a request gets a device from.
+
+``acquire(model)`` queues a request (429 when full), and once the scheduler
+lets it run, has the device's supervisor ensure the model is loaded; it fires
+with a :class:`Lease` (where to send the request) that the caller releases
+when the answer is done.  Cancelling the Deferred (a client that went away)
+leaves the queue at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import attr
+from twisted.application.service import MultiService
+from twisted.internet import defer
+from twisted.internet.defer import Deferred
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from rolemesh import errors
+from rolemesh.config import ModelConfig, NodeConfig
+from rolemesh.devices import DeviceMetrics, DeviceRef
+from rolemesh.interfaces import IDeviceBackend
+from rolemesh.scheduler import QUEUED, RUNNING, QueueFull, Scheduler, Ticket
+from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor
+
+log = Logger()
+
+#: Seconds between device metrics samples, and the bound on one sample.
+METRICS_INTERVAL_S = 5.0
+METRICS_TIMEOUT_S = 10.0
+
+
+@attr.s(eq=False, auto_attribs=True)
+class Lease:
+    """A running request's claim on a device; ``release()`` exactly once."""
+
+    ticket: Ticket
+    endpoint: ChildEndpoint
+    supervisor: DeviceSupervisor
+    _release: Callable[["Lease"], None]
+    released: bool = False
+
+    @property
+    def device(self) -> str:
+        return self.supervisor.name
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._release(self)
+
+
+@attr.s(eq=False, auto_attribs=True)
+class _Acquisition:
+    model: ModelConfig
+    result: Deferred
+    loading: Optional[Deferred] = None
+
+
+class Node(MultiService):
+    """Supervisors + scheduler + metrics for this host's devices."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        backend: IDeviceBackend,
+        devices: Sequence[DeviceRef],
+        supervisors: Sequence[DeviceSupervisor],
+        reactor: Any = None,
+        metrics_interval: float = METRICS_INTERVAL_S,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.devices = list(devices)
+        self._reactor = reactor
+        self.supervisors: Dict[str, DeviceSupervisor] = {}
+        for supervisor in supervisors:
+            self.supervisors[supervisor.name] = supervisor
+            supervisor.setServiceParent(self)
+            supervisor.subscribe(self._supervisor_changed)
+        self.scheduler = Scheduler(
+            [d.name for d in self.devices], config.max_pending_requests_per_device, self._ticket_started
+        )
+        self.metrics: Dict[str, DeviceMetrics] = {}
+        self.draining = False
+        self._drained: List[Deferred] = []
+        self._idle_timers: Dict[str, Any] = {}
+        self._metrics_interval = metrics_interval
+        self._metrics_loop: Optional[LoopingCall] = None
+        self._sampling = False
+        #: Hooks for the metrics module: called with (event, **fields).
+        self.observers: List[Callable[..., None]] = []
+
+    @property
+    def reactor(self) -> Any:
+        if self._reactor is None:
+            from twisted.internet import reactor
+
+            self._reactor = reactor
+        return self._reactor
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        for observer in list(self.observers):
+            try:
+                observer(event, **fields)
+            except Exception:
+                log.failure("metrics observer failed on {event}", event=event)
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        self._metrics_loop = LoopingCall(self.sample_metrics)
+        self._metrics_loop.clock = self.reactor
+        self._metrics_loop.start(self._metrics_interval, now=True)
+        for model in self.config.models:
+            if model.preload:
+                self.preload(model)
+
+    def preload(self, model: ModelConfig, device: Optional[str] = None) -> "Deferred[Optional[str]]":
+        """Load ``model`` as a request would, then release the device at once."""
+        d = self.acquire(model, device=device)
+
+        def loaded(lease: Lease) -> str:
+            lease.release()
+            return lease.device
+
+        def failed(f: Failure) -> None:
+            log.error("preloading {model} failed: {error}", model=model.model_id, error=f.getErrorMessage())
+            return None
+
+        return d.addCallbacks(loaded, failed)
+
+    def drain(self, grace: float) -> "Deferred[None]":
+        """Refuse new requests; fire when in-flight ones are done or ``grace`` passed."""
+        self.draining = True
+        if self._all_idle():
+            return defer.succeed(None)
+        d: Deferred = Deferred()
+        self._drained.append(d)
+        timer = self.reactor.callLater(grace, self._drain_timeout, d)
+        d.addBoth(lambda r: (timer.cancel() if timer.active() else None, r)[1])
+        return d
+
+    def _drain_timeout(self, d: Deferred) -> None:
+        if not d.called:
+            busy = {n: b.pending for n, b in self.scheduler.devices.items() if b.pending}
+            log.warn("drain grace over with requests still pending ({busy}); stopping anyway", busy=busy)
+            self._drained.remove(d)
+            d.callback(None)
+
+    def _all_idle(self) -> bool:
+        return all(book.pending == 0 for book in self.scheduler.devices.values())
+
+    def stopService(self) -> "Deferred[None]":
+        self.draining = True
+        if self._metrics_loop is not None and self._metrics_loop.running:
+            self._metrics_loop.stop()
+        for timer in self._idle_timers.values():
+            if timer.active():
+                timer.cancel()
+        self._idle_timers.clear()
+        return super().stopService()
+
+    # -- model names --------------------------------------------------------------
+
+    def loaded_on(self, model_id: str) -> List[str]:
+        return [n for n, s in self.supervisors.items() if s.loading_or_loaded == model_id]
+
+    def resolve(self, name: str) -> ModelConfig:
+        """``model_id`` or alias; else a role (preferring a loaded model); else 404."""
+        for model in self.config.models:
+            if name in model.names:
+                return model
+        serving = [m for m in self.config.models if name in m.roles]
+        if not serving:
+            raise errors.model_not_found(name)
+        loaded = [m for m in serving if self.loaded_on(m.model_id)]
+        return (loaded or serving)[0]
+
+    # -- requests -------------------------------------------------------------------
+
+    def acquire(self, model: ModelConfig, device: Optional[str] = None) -> "Deferred[Lease]":
+        if self.draining:
+            return defer.fail(errors.ApiError(503, "the node is shutting down", "server_error", "shutting_down", 5))
+        request = _Acquisition(model, Deferred(lambda d: self._cancel(ticket, request)))
+        try:
+            ticket = self.scheduler.submit(model.model_id, model.parallel, device, context=request)
+        except QueueFull:
+            self._emit("queue_full", model=model.model_id)
+            where = f"device {device}" if device else "every device that can take it"
+            return defer.fail(
+                errors.ApiError(
+                    429,
+                    f"{where} already has {self.config.max_pending_requests_per_device} requests pending; "
+                    "retry shortly",
+                    "rate_limit_error",
+                    "queue_full",
+                    retry_after=1,
+                )
+            )
+        return request.result
+
+    def _cancel(self, ticket: Ticket, request: _Acquisition) -> None:
+        if ticket.state == QUEUED:
+            self.scheduler.cancel(ticket)
+        elif ticket.state == RUNNING and request.loading is not None and not request.loading.called:
+            request.loading.cancel()
+
+    def _ticket_started(self, ticket: Ticket) -> None:
+        request: _Acquisition = ticket.context  # type: ignore[assignment]
+        supervisor = self.supervisors[ticket.device]  # type: ignore[index]
+        self._cancel_idle_timer(supervisor.name)
+        request.loading = supervisor.ensure(request.model)
+
+        def ready(endpoint: ChildEndpoint) -> None:
+            lease = Lease(ticket, endpoint, supervisor, self._release)
+            if request.result.called:  # cancelled meanwhile
+                lease.release()
+            else:
+                request.result.callback(lease)
+
+        def failed(f: Failure) -> None:
+            self.scheduler.finish(ticket)
+            self._device_quiet(supervisor.name)
+            if not request.result.called:
+                request.result.errback(f)
+
+        request.loading.addCallbacks(ready, failed)
+
+    def _release(self, lease: Lease) -> None:
+        self.scheduler.finish(lease.ticket)
+        self._device_quiet(lease.device)
+
+    def _device_quiet(self, device: str) -> None:
+        if self._drained and self._all_idle():
+            waiting, self._drained = self._drained, []
+            for d in waiting:
+                d.callback(None)
+        if self.scheduler.is_idle(device):
+            self._arm_idle_timer(device)
+
+    # -- idle unload ------------------------------------------------------------------
+
+    def _cancel_idle_timer(self, device: str) -> None:
+        timer = self._idle_timers.pop(device, None)
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _arm_idle_timer(self, device: str) -> None:
+        self._cancel_idle_timer(device)
+        supervisor = self.supervisors[device]
+        if supervisor.model is None or supervisor.state not in (READY, STARTING) or not self.running:
+            return
+        seconds = self.config.idle_unload_for(supervisor.model)
+        if seconds is None:
+            return
+        self._idle_timers[device] = self.reactor.callLater(seconds, self._idle_unload, device)
+
+    def _idle_unload(self, device: str) -> None:
+        self._idle_timers.pop(device, None)
+        supervisor = self.supervisors[device]
+        if not self.scheduler.is_idle(device) or supervisor.state != READY:
+            return
+        assert supervisor.model is not None
+        log.info("unloading {model} from {device}: idle", model=supervisor.model.model_id, device=device)
+        self._emit("idle_unload", device=device, model=supervisor.model.model_id)
+        supervisor.stop()
+
+    # -- supervisor events -------------------------------------------------------------
+
+    def _supervisor_changed(self, supervisor: DeviceSupervisor) -> None:
+        model = supervisor.model
+        if model is None:
+            return
+        if supervisor.state in (STARTING, READY):
+            self.scheduler.model_loaded(supervisor.name, model.model_id, model.parallel)
+        elif supervisor.state in (STOPPED, FAILED):
+            self.scheduler.model_unloaded(supervisor.name, model.model_id)
+        if supervisor.state == READY and self.scheduler.is_idle(supervisor.name):
+            self._arm_idle_timer(supervisor.name)
+        self._emit("child_state", device=supervisor.name, state=supervisor.state, model=model.model_id)
+
+    # -- metrics ------------------------------------------------------------------------
+
+    def sample_metrics(self) -> "Deferred[None]":
+        """Take one metrics sample; a failed or slow one marks samples stale."""
+        if self._sampling:
+            return defer.succeed(None)
+        self._sampling = True
+        try:
+            d = self.backend.sample(self.devices)
+        except Exception as e:
+            d = defer.fail(e)
+        timer = self.reactor.callLater(METRICS_TIMEOUT_S, d.cancel)
+
+        def got(samples: List[DeviceMetrics]) -> None:
+            for sample in samples:
+                self.metrics[sample.device] = sample
+                if sample.device in self.scheduler.devices:
+                    self.scheduler.set_free_memory(sample.device, sample.memory_free_bytes)
+
+        def failed(f: Failure) -> None:
+            why = "timed out" if f.check(defer.CancelledError) else f.getErrorMessage()
+            log.warn("device metrics sample failed: {why}", why=why)
+            now = self.reactor.seconds()
+            for device in self.devices:
+                previous = self.metrics.get(device.name) or DeviceMetrics(
+                    device.name, now, memory_total_bytes=device.memory_total_bytes
+                )
+                self.metrics[device.name] = previous.marked_stale(why)
+
+        def done(_: Any) -> None:
+            self._sampling = False
+            if timer.active():
+                timer.cancel()
+
+        return d.addCallbacks(got, failed).addBoth(done)
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def device_states(self) -> List[Dict[str, Any]]:
+        """Per-device state as the inventory and the heartbeat report it."""
+        now = self.reactor.seconds()
+        out = []
+        for device in self.devices:
+            supervisor = self.supervisors[device.name]
+            book = self.scheduler.devices[device.name]
+            metrics = self.metrics.get(device.name)
+            snap = supervisor.snapshot()
+            out.append(
+                {
+                    "device": device.name,
+                    "state": snap["state"],
+                    "model": snap["model"],
+                    "port": snap["port"],
+                    "pid": snap["pid"],
+                    "in_flight": len(book.running),
+                    "queued": len(book.queue),
+                    "pending_limit": self.scheduler.pending_limit,
+                    "restarts": snap["restarts"],
+                    "metrics": metrics.to_json(now) if metrics else None,
+                }
+            )
+        return out
+
+    def inventory(self) -> Dict[str, Any]:
+        states = {s["device"]: s for s in self.device_states()}
+        devices = []
+        for device in self.devices:
+            entry = {"ref": device.to_json(), **states[device.name]}
+            entry["last_error"] = self.supervisors[device.name].last_error
+            devices.append(entry)
+        return {
+            "node_id": self.config.node_id,
+            "backend": self.backend.name,
+            "draining": self.draining,
+            "devices": devices,
+        }

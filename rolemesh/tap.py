@@ -1,0 +1,46 @@
+"""``twistd rolemesh-node``: the same service tree as the CLI, for twistd."""
+
+from __future__ import annotations
+
+import sys
+
+from twisted.python import usage
+
+from rolemesh.cli import PROG
+from rolemesh.config import NodeConfig, load_config
+from rolemesh.errors import ConfigError
+
+
+class Options(usage.Options):
+    optParameters = [
+        ["config", "c", None, "Base YAML configuration file."],
+        ["config-override", None, None, "YAML file deep-merged over the base."],
+        ["log-format", None, None, "Override log_format: text or json."],
+    ]
+
+    config: NodeConfig
+
+    def postOptions(self) -> None:
+        if not self["config"]:
+            raise usage.UsageError("--config is required")
+        try:
+            self.config = load_config(self["config"], self["config-override"])
+        except ConfigError as e:
+            sys.stderr.write(f"{PROG}: {e}\n")
+            raise SystemExit(2)
+        if self["log-format"] in ("text", "json"):
+            import attr
+
+            self.config = attr.evolve(self.config, log_format=self["log-format"])
+        elif self["log-format"] is not None:
+            raise usage.UsageError("--log-format must be text or json")
+
+
+def makeService(options: Options):  # noqa: N802 - twistd's name
+    from rolemesh.service import make_service
+
+    try:
+        return make_service(options.config)
+    except ConfigError as e:
+        sys.stderr.write(f"{PROG}: {e}\n")
+        raise SystemExit(2)
