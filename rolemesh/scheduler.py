@@ -17,9 +17,9 @@ Rules (SPEC.md, "Serving and scheduling"):
 
 On a device, requests run one at a time, or up to the model's ``parallel``
 slots.  A request for another model waits until the running ones finish
-(never switch under in-flight requests); meanwhile queued requests for the
-current model may overtake it, but at most ``starvation_bound`` times, so
-nothing starves.
+(never switch under in-flight requests); queued requests for the current
+model may overtake it -- a switch costs a reload -- but at most
+``starvation_bound`` times, so nothing starves.
 """
 
 from __future__ import annotations
@@ -179,20 +179,27 @@ class Scheduler:
                 book.queue.popleft()
                 self._start(book, head)
                 continue
-            if not book.running:
-                book.queue.popleft()
-                self._start(book, head)  # the switch: nothing is in flight
-                continue
-            # The head waits for a switch; the current model may go first,
-            # a bounded number of times.
-            if head.overtaken >= self.starvation_bound or len(book.running) >= book.slots:
-                return
-            for position, ticket in enumerate(book.queue):
-                if ticket.model_id == book.model:
-                    break
-            else:
-                return
-            for ahead in itertools.islice(book.queue, position):
-                ahead.overtaken += 1
-            del book.queue[position]
-            self._start(book, ticket)
+            # The head needs a switch.  Queued requests for the current model
+            # go first (a switch costs a reload), a bounded number of times.
+            if head.overtaken < self.starvation_bound and len(book.running) < book.slots:
+                position = self._first_for_current_model(book)
+                if position is not None:
+                    for ahead in itertools.islice(book.queue, position):
+                        ahead.overtaken += 1
+                    ticket = book.queue[position]
+                    del book.queue[position]
+                    self._start(book, ticket)
+                    continue
+            if book.running:
+                return  # never switch under requests in flight
+            book.queue.popleft()
+            self._start(book, head)  # the switch
+
+    @staticmethod
+    def _first_for_current_model(book: DeviceBook) -> Optional[int]:
+        if book.model is None:
+            return None
+        for position, ticket in enumerate(book.queue):
+            if ticket.model_id == book.model:
+                return position
+        return None

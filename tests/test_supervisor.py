@@ -1,0 +1,368 @@
+"""Unit tests of the device supervisor: fake processes, a Clock, no real I/O."""
+
+from __future__ import annotations
+
+import signal
+
+from hypothesis import given
+from hypothesis import strategies as st
+from twisted.internet import defer
+from twisted.trial.unittest import SynchronousTestCase
+
+from rolemesh import errors
+from rolemesh.supervisor import (
+    FAILED,
+    READY,
+    STARTING,
+    STOPPED,
+    STOPPING,
+    DeviceSupervisor,
+    restart_delay,
+    wrap_argv,
+)
+from tests.fakes import FakeBackend, FakeProbe, GroupSignals, ProcessReactor, make_config
+
+
+class Harness:
+    def __init__(self, **top):
+        self.config = make_config(
+            [{"model_id": "a", "roles": ["chat"]}, {"model_id": "b", "alias": "bee"}],
+            llama_server_startup_timeout_s=10.0,
+            llama_server_probe_interval_s=0.5,
+            llama_server_stop_timeout_s=5.0,
+            **top,
+        )
+        self.reactor = ProcessReactor()
+        self.probe = FakeProbe()
+        self.signals = GroupSignals(self.reactor)
+        self.backend = FakeBackend()
+        self.ports = iter(range(20000, 21000))
+        self.transitions = []
+        self.sup = DeviceSupervisor(
+            self.backend.refs[0],
+            self.backend,
+            self.config,
+            "/opt/llama/llama-server",
+            reactor=self.reactor,
+            probe=self.probe,
+            pick_port=lambda: next(self.ports),
+            signal_group=self.signals,
+            environ={"PATH": "/usr/bin", "HOME": "/root"},
+        )
+        self.sup.subscribe(lambda s: self.transitions.append(s.state))
+        self.a = self.config.model("a")
+        self.b = self.config.model("b")
+
+    def make_ready(self, model_id):
+        self.probe.ready = {model_id if model_id != "b" else "bee"}
+        self.reactor.advance(0.5)
+
+
+class StateMachineTests(SynchronousTestCase):
+    def setUp(self):
+        self.h = Harness()
+
+    def test_cold_start_to_ready(self):
+        h = self.h
+        d = h.sup.ensure(h.a)
+        self.assertEqual(h.sup.state, STARTING)
+        self.assertNoResult(d)
+        self.assertEqual(len(h.reactor.processes), 1)
+        h.reactor.advance(0.5)  # probe says not yet
+        self.assertNoResult(d)
+        h.make_ready("a")
+        endpoint = self.successResultOf(d)
+        self.assertEqual(h.sup.state, READY)
+        self.assertEqual(endpoint.base_url, "http://127.0.0.1:20000")
+        self.assertEqual(endpoint.pid, h.reactor.last.pid)
+        self.assertEqual(h.transitions, [STARTING, READY])
+
+    def test_argv_env_and_wrapper(self):
+        h = self.h
+        h.sup.ensure(h.a)
+        process = h.reactor.last
+        self.assertIn("--", process.argv)
+        inner = process.argv[process.argv.index("--") + 1:]
+        self.assertEqual(inner[:7], ["/opt/llama/llama-server", "--model", "/models/a.gguf", "--host",
+                                     "127.0.0.1", "--port", "20000"])
+        self.assertIn("--alias", inner)
+        self.assertEqual(process.env, {"PATH": "/usr/bin", "HOME": "/root", "FAKE_VISIBLE_DEVICES": "0"})
+
+    def test_ready_again_is_immediate(self):
+        h = self.h
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        self.successResultOf(h.sup.ensure(h.a))
+        self.assertEqual(len(h.reactor.processes), 1)
+
+    def test_concurrent_callers_share_one_load(self):
+        h = self.h
+        ds = [h.sup.ensure(h.a) for _ in range(5)]
+        self.assertEqual(len(h.reactor.processes), 1)
+        h.make_ready("a")
+        endpoints = {self.successResultOf(d) for d in ds}
+        self.assertEqual(len(endpoints), 1)
+
+    def test_output_hint_triggers_probe_at_once(self):
+        h = self.h
+        d = h.sup.ensure(h.a)
+        h.probe.ready = {"a"}
+        h.reactor.last.output("main: server is listening on http://127.0.0.1:20000 - starting the main loop\n")
+        self.successResultOf(d)
+        self.assertEqual(h.reactor.seconds(), 0)
+
+    def test_startup_timeout_kills_and_fails_waiters(self):
+        h = self.h
+        d = h.sup.ensure(h.a)
+        h.reactor.advance(10.0)
+        failure = self.failureResultOf(d, errors.ApiError)
+        self.assertEqual(failure.value.code, "model_load_timeout")
+        self.assertEqual(failure.value.status, 503)
+        self.assertIsNotNone(failure.value.retry_after)
+        self.assertIn("within 10s", failure.value.message)
+        self.assertEqual(h.signals.calls, [(h.reactor.last.pid, signal.SIGKILL)])
+        self.assertEqual(h.sup.state, STOPPING)
+        h.reactor.last.exit(signal=signal.SIGKILL)
+        self.assertEqual(h.sup.state, FAILED)
+
+    def test_exit_while_starting_fails_at_once_with_log_tail(self):
+        h = self.h
+        d = h.sup.ensure(h.a)
+        h.reactor.last.output("llama_model_load: error loading model: /models/a.gguf is not a gguf file\n")
+        h.reactor.last.output("main: failed to load model\n")
+        h.reactor.last.exit(1)
+        failure = self.failureResultOf(d, errors.ApiError)
+        self.assertEqual(failure.value.code, "model_load_failed")
+        self.assertIn("failed to load model", failure.value.message)
+        self.assertIn("exited with status 1", failure.value.message)
+        self.assertNotIn("/models/a.gguf", failure.value.message, "paths are shown as the model id")
+        self.assertEqual(h.sup.state, FAILED)
+        self.assertEqual(h.reactor.seconds(), 0)
+
+    def test_failed_model_retried_then_backed_off(self):
+        h = self.h
+        for attempt in range(1, 3):
+            d = h.sup.ensure(h.a)
+            self.assertEqual(len(h.reactor.processes), attempt)
+            h.reactor.last.exit(1)
+            self.failureResultOf(d, errors.ApiError)
+        # Two failures in a row: the next try waits restart_delay(2) = 1 s,
+        # and is refused fast (503 + Retry-After) meanwhile.
+        failure = self.failureResultOf(h.sup.ensure(h.a), errors.ApiError)
+        self.assertEqual(failure.value.retry_after, 1)
+        self.assertIn("2 times in a row", failure.value.message)
+        self.assertEqual(len(h.reactor.processes), 2)
+        # Another model is not held back by a's failures.
+        h.sup.ensure(h.b)
+        self.assertEqual(len(h.reactor.processes), 3)
+
+    def test_backoff_expires(self):
+        h = self.h
+        for _ in range(2):
+            d = h.sup.ensure(h.a)
+            h.reactor.last.exit(1)
+            self.failureResultOf(d)
+        self.failureResultOf(h.sup.ensure(h.a))
+        h.reactor.advance(restart_delay(2))
+        h.sup.ensure(h.a)
+        self.assertEqual(len(h.reactor.processes), 3)
+
+    def test_switch_stops_then_starts(self):
+        h = self.h
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        first = h.reactor.last
+        d = h.sup.ensure(h.b)
+        self.assertEqual(h.sup.state, STOPPING)
+        self.assertEqual(h.signals.calls, [(first.pid, signal.SIGTERM)])
+        self.assertEqual(len(h.reactor.processes), 1, "no new child before the old one is reaped")
+        first.exit(0)
+        self.assertEqual(h.sup.state, STARTING)
+        self.assertEqual(len(h.reactor.processes), 2)
+        h.make_ready("b")
+        endpoint = self.successResultOf(d)
+        self.assertEqual(endpoint.model_id, "b")
+        self.assertEqual(endpoint.generation, 2)
+        self.assertEqual(h.transitions, [STARTING, READY, STOPPING, STOPPED, STARTING, READY])
+
+    def test_switch_during_load_supersedes_waiters(self):
+        h = self.h
+        d1 = h.sup.ensure(h.a)
+        d2 = h.sup.ensure(h.b)
+        failure = self.failureResultOf(d1, errors.ApiError)
+        self.assertIn("superseded", failure.value.message)
+        h.reactor.processes[0].exit(0)
+        h.make_ready("b")
+        self.successResultOf(d2)
+
+    def test_sigterm_escalates_to_sigkill(self):
+        h = self.h
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        pid = h.reactor.last.pid
+        d = h.sup.stop()
+        h.reactor.advance(4.9)
+        self.assertEqual(h.signals.calls, [(pid, signal.SIGTERM)])
+        h.reactor.advance(0.1)
+        self.assertEqual(h.signals.calls, [(pid, signal.SIGTERM), (pid, signal.SIGKILL)])
+        self.assertNoResult(d)
+        h.reactor.last.exit(signal=signal.SIGKILL)
+        self.successResultOf(d)
+        self.assertEqual(h.sup.state, STOPPED)
+
+    def test_stop_fires_only_when_reaped(self):
+        h = self.h
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        d = h.sup.stop()
+        self.assertNoResult(d)
+        h.reactor.last.exit(0)
+        self.successResultOf(d)
+        self.assertEqual(h.reactor.getDelayedCalls(), [], "no timer left behind")
+
+    def test_stop_when_stopped(self):
+        self.successResultOf(self.h.sup.stop())
+
+    def test_stop_service_waits_and_refuses_new_loads(self):
+        h = self.h
+        h.sup.startService()
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        d = h.sup.stopService()
+        self.assertNoResult(d)
+        failure = self.failureResultOf(h.sup.ensure(h.a), errors.ApiError)
+        self.assertEqual(failure.value.code, "shutting_down")
+        h.reactor.last.exit(0)
+        self.successResultOf(d)
+
+    def test_stop_while_starting_fails_waiters(self):
+        h = self.h
+        d = h.sup.ensure(h.a)
+        stopped = h.sup.stop()
+        self.failureResultOf(d, errors.ApiError)
+        h.reactor.last.exit(0)
+        self.successResultOf(stopped)
+
+    def test_crash_when_ready_goes_stopped_and_restarts_on_demand(self):
+        h = self.h
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        h.reactor.last.output("GGML_ASSERT failed\n")
+        h.reactor.last.exit(signal=signal.SIGSEGV)
+        self.assertEqual(h.sup.state, STOPPED)
+        self.assertEqual(h.sup.restarts, 1)
+        self.assertIn("SIGSEGV", h.sup.last_error)
+        d = h.sup.ensure(h.a)
+        self.assertEqual(len(h.reactor.processes), 2)
+        h.make_ready("a")
+        self.successResultOf(d)
+
+    def test_repeated_crashes_back_off(self):
+        h = self.h
+        for _ in range(2):
+            h.sup.ensure(h.a)
+            h.make_ready("a")
+            h.reactor.last.exit(signal=signal.SIGSEGV)
+        self.assertEqual(h.sup.state, FAILED)
+        self.failureResultOf(h.sup.ensure(h.a), errors.ApiError)
+
+    def test_stable_child_crash_starts_a_fresh_count(self):
+        h = self.h
+        for _ in range(3):
+            h.sup.ensure(h.a)
+            h.make_ready("a")
+            h.reactor.advance(31)
+            h.reactor.last.exit(signal=signal.SIGSEGV)
+            self.assertEqual(h.sup.state, STOPPED)
+
+    def test_port_taken_between_pick_and_bind_is_retried(self):
+        h = self.h
+        d = h.sup.ensure(h.a)
+        h.reactor.last.output("couldn't bind HTTP server socket, hostname: 127.0.0.1, port: 20000\n")
+        h.reactor.last.exit(1)
+        self.assertEqual(h.sup.state, STARTING)
+        self.assertEqual(len(h.reactor.processes), 2)
+        self.assertEqual(h.sup.port, 20001)
+        h.make_ready("a")
+        self.successResultOf(d)
+
+    def test_spawn_failure_fails_without_wedging(self):
+        h = self.h
+        h.reactor.spawn_error = OSError("no such interpreter")
+        self.failureResultOf(h.sup.ensure(h.a), errors.ApiError)
+        self.assertEqual(h.sup.state, FAILED)
+        h.reactor.spawn_error = None
+        h.sup.ensure(h.a)  # first failure: retried at once
+        h.make_ready("a")
+        self.assertEqual(h.sup.state, READY)
+
+    def test_cancelled_waiter_does_not_cancel_the_shared_load(self):
+        h = self.h
+        d1 = h.sup.ensure(h.a)
+        d2 = h.sup.ensure(h.a)
+        d1.cancel()
+        self.failureResultOf(d1, defer.CancelledError)
+        h.make_ready("a")
+        self.successResultOf(d2)
+
+    def test_log_ring_buffer_is_bounded(self):
+        h = self.h
+        h.sup.ensure(h.a)
+        for i in range(3000):
+            h.reactor.last.output(f"line {i}\n")
+        self.assertEqual(len(h.sup.logs), 1000)
+        self.assertEqual(h.sup.log_tail(2), ["line 2998", "line 2999"])
+        self.assertEqual(h.sup.log_tail(0), [])
+
+    def test_partial_lines_are_joined(self):
+        h = self.h
+        d = h.sup.ensure(h.a)
+        h.reactor.last.output("hel")
+        h.reactor.last.output("lo\nwor")
+        h.reactor.last.exit(1)
+        self.failureResultOf(d, errors.ApiError)
+        self.assertIn("hello", h.sup.logs)
+        self.assertIn("wor", h.sup.logs)
+
+    def test_restart_if_unhealthy(self):
+        h = self.h
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        h.probe.ready = set()
+        self.assertFalse(self.successResultOf(h.sup.restart_if_unhealthy()))
+        self.assertEqual(h.sup.state, STOPPING)
+        h.reactor.last.exit(0)
+        self.assertEqual(h.sup.state, STOPPED)
+
+    def test_restart_if_unhealthy_keeps_healthy_child(self):
+        h = self.h
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        self.assertTrue(self.successResultOf(h.sup.restart_if_unhealthy()))
+        self.assertEqual(h.sup.state, READY)
+
+    def test_snapshot(self):
+        h = self.h
+        self.assertEqual(h.sup.snapshot()["state"], STOPPED)
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        snap = h.sup.snapshot()
+        self.assertEqual((snap["state"], snap["model"], snap["port"]), (READY, "a", 20000))
+        self.assertEqual(snap["pid"], h.reactor.last.pid)
+
+
+class PureTests(SynchronousTestCase):
+    @given(st.integers(min_value=0, max_value=200))
+    def test_restart_delay_grows_and_caps(self, n):
+        delay = restart_delay(n)
+        self.assertGreaterEqual(delay, 0)
+        self.assertLessEqual(delay, 60.0)
+        self.assertLessEqual(delay, restart_delay(n + 1))
+        if n <= 1:
+            self.assertEqual(delay, 0)
+
+    def test_wrap_argv(self):
+        argv = wrap_argv(["/bin/llama-server", "--port", "1"], 42, (2, 3))
+        self.assertEqual(argv[argv.index("--parent") + 1], "42")
+        self.assertEqual(argv[argv.index("--cpus") + 1], "2,3")
+        self.assertEqual(argv[argv.index("--") + 1:], ["/bin/llama-server", "--port", "1"])
