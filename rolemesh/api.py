@@ -35,12 +35,6 @@ MAX_LOG_TAIL = 1000
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _CREATED = int(time.time())
 
-PROXIED = {
-    "chat/completions": "/v1/chat/completions",
-    "completions": "/v1/completions",
-    "embeddings": "/v1/embeddings",
-}
-
 
 def _json(request: Any, status: int, body: Any) -> bytes:
     request.setResponseCode(status)
@@ -228,12 +222,17 @@ class NodeAPI:
 
     # -- proxied OpenAI routes ---------------------------------------------------------
 
-    @app.route("/v1/<path:endpoint>", methods=["POST"])
-    def openai(self, request: Any, endpoint: str) -> Any:
-        path = PROXIED.get(endpoint)
-        if path is None:
-            raise NotFound()
-        return self._proxy(request, endpoint, path)
+    @app.route("/v1/chat/completions", methods=["POST"])
+    def chat_completions(self, request: Any) -> Any:
+        return self._proxy(request, "chat/completions", "/v1/chat/completions")
+
+    @app.route("/v1/completions", methods=["POST"])
+    def completions(self, request: Any) -> Any:
+        return self._proxy(request, "completions", "/v1/completions")
+
+    @app.route("/v1/embeddings", methods=["POST"])
+    def embeddings(self, request: Any) -> Any:
+        return self._proxy(request, "embeddings", "/v1/embeddings")
 
     def _request_id(self, request: Any) -> str:
         given = request.getHeader(b"x-request-id")

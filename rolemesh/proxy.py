@@ -19,7 +19,6 @@ from typing import Any, Optional
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
-from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.scheduler import CANCELLED, DONE, QUEUED, RUNNING, QueueFull, Scheduler
