@@ -63,7 +63,7 @@ STABLE_AFTER_S = 30.0
 #: How often a port collision between pick and bind is retried.
 BIND_RETRIES = 3
 #: Output that means the child is about to answer; it triggers a probe at once.
-_READY_HINTS = (b"server is listening", b"all slots are idle")
+_READY_HINTS = (b"listening on http", b"model loaded", b"all slots are idle")
 _BIND_FAILURE = re.compile(r"couldn't bind|address already in use", re.IGNORECASE)
 
 
@@ -209,7 +209,7 @@ class DeviceSupervisor(Service):
         self._waiters: List[Tuple[str, Deferred]] = []
         self._stop_waiters: List[Deferred] = []
         self._probe_loop: Optional[LoopingCall] = None
-        self._probe_in_flight = False
+        self._probe_in_flight: Optional[Deferred] = None
         self._startup_timer: Any = None
         self._kill_timer: Any = None
         self._started_at = 0.0
@@ -402,28 +402,29 @@ class DeviceSupervisor(Service):
         )
 
     def _probe_once(self) -> None:
-        if self.state != STARTING or self._probe_in_flight or self.model is None:
+        if self.state != STARTING or self._probe_in_flight is not None or self.model is None:
             return
-        self._probe_in_flight = True
         generation = self.generation
         try:
             d = self._probe_fn(f"http://127.0.0.1:{self.port}", self.model.served_name)
         except Exception:
             log.failure("readiness probe raised", device=self.name)
-            self._probe_in_flight = False
             return
+        self._probe_in_flight = d
 
         def done(ok: Any) -> None:
-            self._probe_in_flight = False
+            self._probe_in_flight = None
             if ok is True and generation == self.generation and self.state == STARTING:
                 self._became_ready()
 
         def failed(_: Failure) -> None:
-            self._probe_in_flight = False  # not up yet: keep polling
+            self._probe_in_flight = None  # not up yet (or cancelled): keep polling
 
         d.addCallbacks(done, failed)
 
     def _stop_timers(self) -> None:
+        if self._probe_in_flight is not None:
+            self._probe_in_flight.cancel()
         if self._probe_loop is not None and self._probe_loop.running:
             self._probe_loop.stop()
         self._probe_loop = None
@@ -457,9 +458,9 @@ class DeviceSupervisor(Service):
             f"(llama_server_startup_timeout_s){self._tail_for_error()}"
         )
         self._record_failure()
-        self._fail_waiters(errors.model_load_timeout(message, retry_after=max(1, int(timeout))))
         self.last_error = message
         self._stop_child("startup timeout", kill_now=True, reason=FAILED)
+        self._fail_waiters(errors.model_load_timeout(message, retry_after=max(1, int(timeout))))
 
     # -- output and exit ------------------------------------------------------
 
@@ -550,8 +551,8 @@ class DeviceSupervisor(Service):
     def _load_failed(self, error: errors.ApiError) -> None:
         self.last_error = error.message
         log.error("{message}", message=error.message, device=self.name)
-        self._fail_waiters(error)
         self._set_state(FAILED)
+        self._fail_waiters(error)
 
     def _fail_waiters(self, error: errors.ApiError, keep: Optional[str] = None) -> None:
         """Fail every waiter, except those for model ``keep``."""
