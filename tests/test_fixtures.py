@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from twisted.trial import unittest
 
@@ -17,6 +18,7 @@ from tests.fixtures.llama import (
     FAKE_LLAMA_SERVER,
     NO_LLAMA_SERVER_REASON,
     ServerExited,
+    ServerProcess,
     ServerTimeout,
     free_port,
     http_request,
@@ -42,7 +44,7 @@ def raw_request(port: int, method: str, path: str, body: bytes = b"", timeout: f
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         )
         sock.sendall(head.encode("ascii") + body)
-        chunks = []
+        chunks: list[bytes] = []
         while True:
             data = sock.recv(65536)  # socket.timeout here means the server kept the connection open
             if not data:
@@ -194,19 +196,28 @@ class TinyGGUFTests(unittest.TestCase):
             self.assertEqual(f1.read(), f2.read())
 
 
-class FakeServerMixin:
+if TYPE_CHECKING:
+    _TestCaseBase = unittest.TestCase
+else:
+    _TestCaseBase = object
+
+
+class FakeServerMixin(_TestCaseBase):
     def start(self, flags="", **kwargs):
         server = start_fake_llama_server(flags, **kwargs)
         self.addCleanup(server.kill)
         return server
 
 
-class LlamaServerContract:
+class LlamaServerContract(_TestCaseBase):
     """HTTP behaviour that the fake shares with the real llama-server.
 
     Subclasses define ``start_server(*args)``: start a server for model alias
     ``tiny`` with extra llama-server arguments, and return a ServerProcess.
     """
+
+    def start_server(self, *args: str) -> ServerProcess:
+        raise NotImplementedError
 
     def setUp(self):
         self.server = self.start_server()
@@ -605,6 +616,7 @@ class RealLlamaServerContractTests(LlamaServerContract, unittest.TestCase):
     def test_tiny_model_end_to_end(self):
         """The brief's smoke test: ready, listed, a 4-token chat, a streamed chat, then a clean stop."""
         server = self.server
+        assert server.startup_s is not None
         self.assertLess(server.startup_s, 60)
         status, _, body = http_request("GET", server.url + "/v1/models")
         self.assertEqual(status, 200)
@@ -612,8 +624,8 @@ class RealLlamaServerContractTests(LlamaServerContract, unittest.TestCase):
         status, _, body = http_request("POST", server.url + "/v1/chat/completions", dict(CHAT, max_tokens=4))
         self.assertEqual(status, 200, body)
         self.assertLessEqual(json.loads(body)["usage"]["completion_tokens"], 4)
-        body = dict(CHAT, max_tokens=4, stream=True)
-        status, headers, raw = http_request("POST", server.url + "/v1/chat/completions", body)
+        stream_body = dict(CHAT, max_tokens=4, stream=True)
+        status, headers, raw = http_request("POST", server.url + "/v1/chat/completions", stream_body)
         self.assertEqual(status, 200, raw)
         self.assertEqual(read_sse(raw)[-1], "[DONE]")
         self.assertIn("llama_server: listening on http://127.0.0.1:", server.log_text())
@@ -632,7 +644,9 @@ class RealLlamaServerContractTests(LlamaServerContract, unittest.TestCase):
 
     def test_port_in_use(self):
         port = self.server.port
-        argv = [llama_server_binary(), "--model", self.model, "--host", "127.0.0.1", "--port", str(port)]
+        binary = llama_server_binary()
+        assert binary is not None
+        argv = [binary, "--model", self.model, "--host", "127.0.0.1", "--port", str(port)]
         other = start_server(argv, port=port, wait=False)
         self.addCleanup(other.kill)
         self.assertEqual(other.process.wait(30), 1)
