@@ -44,7 +44,7 @@ class KeyDoc:
 TOP_LEVEL_KEYS: Tuple[KeyDoc, ...] = (
     KeyDoc("node_id", "string", "the host name", "Name of this node at the dispatcher."),
     KeyDoc("listen_host", "string", "`127.0.0.1`", "Address the API listens on."),
-    KeyDoc("listen_port", "integer 1-65535", "`8090`", "Port the API listens on."),
+    KeyDoc("listen_port", "integer 0-65535", "`8090`", "Port the API listens on (0 = any free port)."),
     KeyDoc("advertise_url", "URL", "`http://<listen_host>:<listen_port>`",
            "URL the dispatcher uses to reach this node."),
     KeyDoc("backend", "`auto`, `cuda`, `rocm`, `metal`, `sycl`, `vulkan` or `cpu`", "`auto`",
@@ -99,9 +99,11 @@ MODEL_KEYS: Tuple[KeyDoc, ...] = (
     KeyDoc("gpu_layers", "non-negative integer, `auto` or `all`", "llama-server's", "`--n-gpu-layers`"),
     KeyDoc("main_gpu", "non-negative integer", "llama-server's", "`--main-gpu`"),
     KeyDoc("tensor_split", "list of non-negative numbers", "llama-server's", "`--tensor-split a,b,...`"),
-    KeyDoc("flash_attn", "boolean or `on`/`off`/`auto`", "llama-server's", "`--flash-attn on|off|auto`"),
+    KeyDoc("flash_attn", "boolean or `on`/`off`/`auto`", "llama-server's",
+           "`--flash-attn on|off|auto`; `true` means `on`, `false` means `off`."),
     KeyDoc("server_args", "mapping", "`{}`",
-           "Other llama-server flags: `true` = bare flag, `false`/null = omitted, lists repeat the flag."),
+           "Other llama-server flags: `true` = bare flag, `false`/null = omitted, lists repeat the flag "
+           "(or join with commas where llama-server expects that)."),
     KeyDoc("preload", "boolean", "`false`", "Load this model at start-up."),
     KeyDoc("idle_unload_s", "positive number or null", "the top-level value",
            "Per-model idle unload; null keeps it loaded forever."),
@@ -146,7 +148,7 @@ class ModelConfig:
     def parallel(self) -> int:
         """Concurrent slots llama-server runs for this model (``--parallel``)."""
         for flag, value in self.server_args:
-            if flag in ("parallel", "np") and value not in (None, False):
+            if flag in ("parallel", "np") and value is not None and value is not False:
                 return int(value)
         return 1
 
@@ -302,13 +304,19 @@ def _fail(path: str, expected: str, value: Any) -> ConfigError:
     return ConfigError(f"{path}: expected {expected}, got {_show(value)}")
 
 
+def _key_name(key: Any) -> str:
+    """A key as it appears in a key path; quoted when it would not read as one line."""
+    text = str(key)
+    return text if text and text.isprintable() else _show(key)
+
+
 def _unknown_keys(data: Mapping[str, Any], known: Tuple[KeyDoc, ...], prefix: str) -> None:
     names = [k.name for k in known]
     for key in data:
         if key not in names:
             hint = difflib.get_close_matches(str(key), names, n=1)
             suggestion = f' (did you mean "{hint[0]}"?)' if hint else ""
-            raise ConfigError(f"{prefix}{key}: unknown key{suggestion}")
+            raise ConfigError(f"{prefix}{_key_name(key)}: unknown key{suggestion}")
 
 
 def _positive_int(path: str, value: Any) -> int:
@@ -387,6 +395,9 @@ STRUCTURED_FLAGS: Dict[str, Tuple[str, ...]] = {
     "alias": ("alias", "a"),
 }
 
+#: Other flags with two spellings the agent cares about (``ModelConfig.parallel``).
+SYNONYMS: Dict[str, str] = {"np": "parallel"}
+
 #: Flags the agent owns: it picks the model file, the address and the port.
 FORBIDDEN_FLAGS = frozenset({"host", "port", "model", "m"})
 
@@ -406,20 +417,28 @@ def _server_args(path: str, value: Any, model: Mapping[str, Any]) -> Tuple[Tuple
         if not isinstance(key, str) or not normalize_flag(key):
             raise _fail(f"{path}", "flag names as keys", key)
         flag = normalize_flag(key)
-        here = f"{path}.{key}"
+        here = f"{path}.{_key_name(key)}"
         if flag in FORBIDDEN_FLAGS:
             raise ConfigError(
                 f"{here}: the agent sets --{flag} itself (children always bind 127.0.0.1 "
                 "on a port the agent picks, and load the model's path); remove it"
             )
         field = owner.get(flag)
+        entry = path.rsplit('.', 1)[0]
+        if field == "alias":
+            # The agent always passes --alias (the alias, else the model_id);
+            # a second one would rename the model behind the agent's back.
+            raise ConfigError(f"{here}: the agent sets --alias itself; use {entry}.alias instead")
         if field is not None and model.get(field) is not None:
             raise ConfigError(
-                f"{here}: conflicts with the structured field {path.rsplit('.', 1)[0]}.{field}; set it in one place"
+                f"{here}: conflicts with the structured field {entry}.{field}; set it in one place"
             )
-        if flag in seen:
-            raise ConfigError(f"{here}: the same flag as {path}.{seen[flag]}")
-        seen[flag] = key
+        # Two spellings of one structured flag (``ngl`` and ``n-gpu-layers``)
+        # are the same flag too.
+        canonical = STRUCTURED_FLAGS[field][0] if field is not None else SYNONYMS.get(flag, flag)
+        if canonical in seen:
+            raise ConfigError(f"{here}: the same flag as {path}.{_key_name(seen[canonical])}")
+        seen[canonical] = key
         if isinstance(item, dict):
             raise _fail(here, "a scalar, a boolean, null or a list", item)
         if isinstance(item, list):
@@ -427,7 +446,7 @@ def _server_args(path: str, value: Any, model: Mapping[str, Any]) -> Tuple[Tuple
                 if element is None or isinstance(element, (dict, list, bool)):
                     raise _fail(f"{here}[{i}]", "a string or a number", element)
             item = tuple(item)
-        if flag in ("parallel", "np") and item not in (None, False):
+        if flag in ("parallel", "np") and item is not None and item is not False:
             _positive_int(here, item)
         result.append((flag, item))
     return tuple(result)
@@ -592,8 +611,10 @@ def validate(
             if name is None:
                 continue
             if name in names and not (key == "alias" and names[name] == f"models[{i}].model_id"):
-                what = "duplicate model_id" if key == "model_id" else "alias already names"
-                raise ConfigError(f"models[{i}].{key}: {what} {_show(name)} (also {names[name]})")
+                here, other = f"models[{i}].{key}", names[name]
+                if key == "model_id" and other.endswith(".model_id"):
+                    raise ConfigError(f"{here}: duplicate model_id {_show(name)} (also {other})")
+                raise ConfigError(f"{here}: {_show(name)} already names another model ({other})")
             names[name] = f"models[{i}].{key}"
 
     idle = data.get("idle_unload_s")

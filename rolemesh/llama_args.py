@@ -41,9 +41,15 @@ def structured_args(model: ModelConfig) -> List[str]:
     return argv
 
 
+#: Flags of three letters or fewer that llama-server only knows in long form.
+LONG_ONLY_FLAGS = frozenset({"rpc"})
+
+
 def _spelling(flag: str) -> str:
     """llama.cpp spells short flags with one dash (``-ngl``, ``-np``, ``-c``)."""
-    return "-" + flag if len(flag) <= 3 and "-" not in flag else "--" + flag
+    if len(flag) <= 3 and "-" not in flag and flag not in LONG_ONLY_FLAGS:
+        return "-" + flag
+    return "--" + flag
 
 
 def server_args(pairs: Sequence[tuple]) -> List[str]:
@@ -68,7 +74,7 @@ def server_args(pairs: Sequence[tuple]) -> List[str]:
 
 def flags_set_by(model: ModelConfig) -> frozenset:
     """Every flag spelling the model already sets (structured or server_args)."""
-    names = set()
+    names: set = set()
     for field, flags in STRUCTURED_FLAGS.items():
         if field == "alias" or getattr(model, field) is not None:
             names.update(flags)
@@ -94,13 +100,17 @@ def build_argv(
     argv += structured_args(model)
     argv += server_args(model.server_args)
     if device_defaults:
-        already = flags_set_by(model)
+        already = set(flags_set_by(model))
         aliases = {flag: set(flags) for flags in STRUCTURED_FLAGS.values() for flag in flags}
         extra = []
         for key, value in device_defaults.items():
             flag = normalize_flag(key)
-            if already & aliases.get(flag, {flag}):
+            spellings = aliases.get(flag, {flag})
+            if already & spellings:
                 continue
+            if value is not None and value is not False:
+                # One flag once, even if the defaults name it twice (``threads`` and ``t``).
+                already |= spellings
             extra.append((flag, value))
         argv += server_args(extra)
     return argv

@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""Print the configuration key tables that ``docs/configuration.md`` holds.
+
+The tables come from ``rolemesh.config.TOP_LEVEL_KEYS`` and ``MODEL_KEYS``,
+the single source of truth for key names, types, defaults and meanings.
+After changing either, run this from the repository root and paste its output
+over the two tables in ``docs/configuration.md``::
+
+    python docs/gen_config_doc.py
+
+``tests/test_docs.py`` fails while a table in the document differs from what
+this script prints, so the document and the code cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, ROOT)
+
+from rolemesh.config import MODEL_KEYS, TOP_LEVEL_KEYS, KeyDoc  # noqa: E402
+
+HEADER = ("key", "type", "default", "meaning")
+
+
+def cell(text: str) -> str:
+    """Markdown table cell text: a ``|`` (even inside backticks) would split the cell."""
+    return text.replace("|", "\\|")
+
+
+def table(keys: Iterable[KeyDoc]) -> str:
+    """One Markdown table, a row per key, ending in a newline."""
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]
+    for key in keys:
+        lines.append(f"| `{key.name}` | {cell(key.type)} | {cell(key.default)} | {cell(key.meaning)} |")
+    return "\n".join(lines) + "\n"
+
+
+def tables() -> dict[str, str]:
+    """Section title -> generated table, in document order."""
+    return {
+        "Top-level keys": table(TOP_LEVEL_KEYS),
+        "Model keys (`models[]` entries)": table(MODEL_KEYS),
+    }
+
+
+def main() -> None:
+    for title, text in tables().items():
+        print(f"## {title}\n")
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
