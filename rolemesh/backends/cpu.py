@@ -2,8 +2,10 @@
 
 Big CPU servers run one llama-server per NUMA node or core group; with
 ``cpu_devices: numa`` or ``cpu_devices: N`` each group is its own device and
-its child is pinned with ``--cpu-range`` and ``--threads``.  All cpu devices
-share the host's memory figures.
+its child is pinned with ``--cpu-range`` (or ``--cpu-mask`` for a group that is
+not contiguous) and ``--threads``.  All cpu devices share the host's memory
+figures.  Only the cores this process may run on (its affinity) are split, so
+a container limited to some cores splits those.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from zope.interface import implementer
 
 from rolemesh.backends import BackendUnavailable
 from rolemesh.devices import DeviceMetrics, DeviceRef
+from rolemesh.errors import ConfigError
 from rolemesh.interfaces import IDeviceBackend
 
 
@@ -45,10 +48,16 @@ def parse_proc_stat(text: str) -> Dict[int, Tuple[int, int]]:
             continue
         fields = line.split()
         name = fields[0][3:]
-        values = [int(v) for v in fields[1:]]
+        try:
+            cpu = -1 if name == "" else int(name)
+            values = [int(v) for v in fields[1:]]
+        except ValueError:
+            continue
+        if len(values) < 4:
+            continue
         idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
         total = sum(values[:8])  # guest time is already counted in user/nice
-        result[-1 if name == "" else int(name)] = (total - idle, total)
+        result[cpu] = (total - idle, total)
     return result
 
 
@@ -56,6 +65,7 @@ def parse_cpu_list(text: str) -> Tuple[int, ...]:
     """``"0-3,8,10-11"`` (sysfs cpulist format) -> ``(0, 1, 2, 3, 8, 10, 11)``."""
     cpus: List[int] = []
     for part in text.strip().split(","):
+        part = part.strip()
         if not part:
             continue
         lo, _, hi = part.partition("-")
@@ -63,8 +73,25 @@ def parse_cpu_list(text: str) -> Tuple[int, ...]:
     return tuple(cpus)
 
 
+def parse_cpuinfo(text: str) -> Tuple[Optional[str], Optional[str]]:
+    """``/proc/cpuinfo`` -> (vendor, model name) of the first processor; None where absent."""
+    vendor = model = None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "vendor_id" and vendor is None:
+            vendor = value or None
+        elif key == "model name" and model is None:
+            model = value or None
+        if vendor and model:
+            break
+    return vendor, model
+
+
 def split_cores(cores: Sequence[int], groups: int) -> List[Tuple[int, ...]]:
     """Split ``cores`` into ``groups`` contiguous groups as evenly as possible."""
+    if groups < 1:
+        raise ConfigError(f'cpu_devices: expected "numa" or a positive integer, got {groups!r}')
     if groups > len(cores):
         raise BackendUnavailable(
             f"cpu_devices: {groups} groups asked for, but only {len(cores)} cores are available"
@@ -83,7 +110,7 @@ def cpu_range(cpus: Sequence[int]) -> Optional[str]:
     if not cpus:
         return None
     lo, hi = min(cpus), max(cpus)
-    return f"{lo}-{hi}" if hi - lo + 1 == len(cpus) else None
+    return f"{lo}-{hi}" if hi - lo + 1 == len(set(cpus)) else None
 
 
 def cpu_mask(cpus: Sequence[int]) -> str:
@@ -94,9 +121,34 @@ def cpu_mask(cpus: Sequence[int]) -> str:
     return f"{mask:x}"
 
 
+def numa_groups(node_cpus: Mapping[int, Sequence[int]], allowed: Sequence[int]) -> List[Tuple[int, ...]]:
+    """One group per NUMA node with allowed cores, in node order; none at all -> one group of all."""
+    permitted = set(allowed)
+    groups = []
+    for node in sorted(node_cpus):
+        cpus = tuple(c for c in node_cpus[node] if c in permitted)
+        if cpus:
+            groups.append(cpus)
+    return groups or [tuple(allowed)]
+
+
 def _read(path: str) -> str:
     with open(path, encoding="ascii", errors="replace") as f:
         return f.read()
+
+
+def _allowed_cores() -> List[int]:
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if getaffinity is not None:
+        return sorted(getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def _sysconf_memory() -> Optional[int]:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 @implementer(IDeviceBackend)
@@ -112,12 +164,22 @@ class CpuBackend:
         read: Callable[[str], str] = _read,
         allowed_cores: Optional[Callable[[], Sequence[int]]] = None,
         sysfs_root: str = "/sys",
+        proc_root: str = "/proc",
     ) -> None:
+        if cpu_devices is not None and cpu_devices != "numa":
+            try:
+                count = int(cpu_devices)
+            except (TypeError, ValueError):
+                count = 0
+            if isinstance(cpu_devices, bool) or count < 1:
+                raise ConfigError(f'cpu_devices: expected "numa" or a positive integer, got {cpu_devices!r}')
+            cpu_devices = count
         self._cpu_devices = cpu_devices
         self._reactor = reactor
         self._read = read
-        self._allowed = allowed_cores or (lambda: sorted(os.sched_getaffinity(0)))
+        self._allowed = allowed_cores or _allowed_cores
         self._sysfs = sysfs_root
+        self._proc = proc_root
         self._last_stat: Dict[int, Tuple[int, int]] = {}
 
     def _clock(self) -> float:
@@ -125,45 +187,57 @@ class CpuBackend:
             from twisted.internet import reactor
 
             self._reactor = reactor
-        return self._reactor.seconds()
+        return float(self._reactor.seconds())
+
+    def _proc_text(self, name: str) -> Optional[str]:
+        try:
+            return self._read(os.path.join(self._proc, name))
+        except OSError:
+            return None
+
+    def _node_cpus(self) -> Dict[int, Tuple[int, ...]]:
+        node_dir = os.path.join(self._sysfs, "devices", "system", "node")
+        try:
+            names = os.listdir(node_dir)
+        except OSError:
+            return {}
+        nodes = {}
+        for entry in names:
+            if not (entry.startswith("node") and entry[4:].isdigit()):
+                continue
+            try:
+                nodes[int(entry[4:])] = parse_cpu_list(self._read(os.path.join(node_dir, entry, "cpulist")))
+            except (OSError, ValueError):
+                continue
+        return nodes
 
     def _groups(self) -> List[Tuple[int, ...]]:
         allowed = tuple(self._allowed())
         if self._cpu_devices is None:
             return [()]
         if self._cpu_devices == "numa":
-            node_dir = os.path.join(self._sysfs, "devices", "system", "node")
-            try:
-                nodes = sorted(
-                    int(n[4:]) for n in os.listdir(node_dir) if n.startswith("node") and n[4:].isdigit()
-                )
-            except OSError:
-                nodes = []
-            groups = []
-            for n in nodes:
-                cpus = parse_cpu_list(self._read(os.path.join(node_dir, f"node{n}", "cpulist")))
-                cpus = tuple(c for c in cpus if c in allowed)
-                if cpus:
-                    groups.append(cpus)
-            return groups or [allowed]
+            return numa_groups(self._node_cpus(), allowed)
         return split_cores(allowed, int(self._cpu_devices))
 
+    def _memory(self) -> Tuple[Optional[int], Optional[int]]:
+        text = self._proc_text("meminfo")
+        if text is None:
+            return _sysconf_memory(), None
+        mem = parse_meminfo(text)
+        return mem.get("MemTotal"), mem.get("MemAvailable", mem.get("MemFree"))
+
     def discover(self) -> List[DeviceRef]:
-        total = parse_meminfo(self._read("/proc/meminfo")).get("MemTotal")
-        model = None
-        try:
-            for line in self._read("/proc/cpuinfo").splitlines():
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
+        """``cpu:0`` (the whole host), or one device per NUMA node / core group."""
+        total, _ = self._memory()
+        vendor, model = parse_cpuinfo(self._proc_text("cpuinfo") or "")
+        stat = self._proc_text("stat")
+        self._last_stat = parse_proc_stat(stat) if stat else {}  # so the first sample has a delta
         return [
             DeviceRef(
                 backend="cpu",
                 index=i,
                 name=f"cpu:{i}",
-                vendor=None,
+                vendor=vendor,
                 model=model,
                 memory_total_bytes=total,
                 cpus=cpus,
@@ -172,18 +246,18 @@ class CpuBackend:
         ]
 
     def sample(self, devices: Sequence[DeviceRef]) -> "Deferred[List[DeviceMetrics]]":
+        """Host memory for every device; utilization of each device's cores since the last sample."""
         now = self._clock()
-        mem = parse_meminfo(self._read("/proc/meminfo"))
-        stat = parse_proc_stat(self._read("/proc/stat"))
+        total, free = self._memory()
+        text = self._proc_text("stat")
+        stat = parse_proc_stat(text) if text else {}
         previous, self._last_stat = self._last_stat, stat
-        total = mem.get("MemTotal")
-        free = mem.get("MemAvailable", mem.get("MemFree"))
         out = []
         for device in devices:
             cpus = device.cpus or (-1,)
-            busy = sum(stat[c][0] - previous.get(c, (0, 0))[0] for c in cpus if c in stat)
-            whole = sum(stat[c][1] - previous.get(c, (0, 0))[1] for c in cpus if c in stat)
-            util = round(100.0 * busy / whole, 1) if previous and whole > 0 else None
+            busy = sum(stat[c][0] - previous.get(c, (0, 0))[0] for c in cpus if c in stat and c in previous)
+            whole = sum(stat[c][1] - previous.get(c, (0, 0))[1] for c in cpus if c in stat and c in previous)
+            util = round(min(100.0, max(0.0, 100.0 * busy / whole)), 1) if whole > 0 else None
             out.append(
                 DeviceMetrics(
                     device=device.name,
@@ -197,9 +271,11 @@ class CpuBackend:
         return succeed(out)
 
     def child_environment(self, device: DeviceRef, base_environment: Mapping[str, str]) -> Dict[str, str]:
+        """The parent's environment, unchanged: cpu children are pinned by arguments instead."""
         return dict(base_environment)
 
     def child_arguments(self, device: DeviceRef) -> Dict[str, Any]:
+        """``cpu-range`` (or ``cpu-mask``) and ``threads`` for a core group; nothing for the whole host."""
         if not device.cpus:
             return {}
         rng = cpu_range(device.cpus)
