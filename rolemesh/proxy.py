@@ -114,10 +114,8 @@ class _Relay(Protocol):
             self._request.unregisterProducer()
         except Exception:
             pass
-        if reason.check(ResponseDone, PotentialDataLoss):
-            self._finished.callback(True)
-        else:
-            self._finished.callback(reason)
+        # A bool, never the Failure: callback(Failure) would be an errback.
+        self._finished.callback(bool(reason.check(ResponseDone, PotentialDataLoss)))
 
 
 class Proxy:
@@ -178,19 +176,20 @@ class Proxy:
         url = (base_url + path).encode("ascii")
         headers = Headers({b"content-type": [content_type], b"accept": [b"*/*"]})
         relay: list = []
-        state = {"timed_out": False}
+        state = {"timed_out": False, "cancelled": False}
 
         def cancel(d: Deferred) -> None:
+            state["cancelled"] = True
             if relay:
                 relay[0].abort()
-            elif not upstream.called:
-                upstream.cancel()
+            else:
+                upstream.cancel()  # also reaches a Deferred it is chained to
 
         result: Deferred = Deferred(cancel)
         upstream = self._send(url, body, headers)
 
         def retry_stale(failure: Failure) -> Any:
-            if _never_sent(failure) and not result.called:
+            if _never_sent(failure) and not result.called and not state["cancelled"]:
                 log.debug("retrying on a fresh connection after {error}", error=failure.value)
                 return self._send(url, body, headers)
             return failure
@@ -223,7 +222,7 @@ class Proxy:
                 request.responseHeaders.removeHeader(b"content-length")
                 request.setHeader(b"x-accel-buffering", b"no")
                 request.setHeader(b"cache-control", b"no-cache")
-            finished: Deferred = Deferred()
+            finished: Deferred = Deferred()  # fires True (whole body) or False (cut off)
             protocol = _Relay(request, event_stream, finished)
             relay.append(protocol)
             response.deliverBody(protocol)
