@@ -200,7 +200,13 @@ class DeviceSupervisor(Service):
         self.port: Optional[int] = None
         self.pid: Optional[int] = None
         self.generation = 0
+        #: Counters for metrics and inventory (read them, never write them).
         self.restarts = 0
+        self.loads = 0
+        self.load_failures = 0
+        self.load_timeouts = 0
+        self.crashes = 0
+        self.last_load_seconds: Optional[float] = None
         self.last_error: Optional[str] = None
         self.logs: Deque[str] = collections.deque(maxlen=LOG_LINES)
 
@@ -435,6 +441,8 @@ class DeviceSupervisor(Service):
     def _became_ready(self) -> None:
         self._stop_timers()
         self._ready_at = self.reactor.seconds()
+        self.loads += 1
+        self.last_load_seconds = self._ready_at - self._started_at
         assert self.model is not None
         log.info("llama-server for {model} ready on {device} in {seconds:.2f}s (pid {pid})",
                  model=self.model.model_id, device=self.name, seconds=self._ready_at - self._started_at,
@@ -458,6 +466,7 @@ class DeviceSupervisor(Service):
             f"(llama_server_startup_timeout_s){self._tail_for_error()}"
         )
         self._record_failure()
+        self.load_timeouts += 1
         self.last_error = message
         self._stop_child("startup timeout", kill_now=True, reason=FAILED)
         self._fail_waiters(errors.model_load_timeout(message, retry_after=max(1, int(timeout))))
@@ -528,9 +537,11 @@ class DeviceSupervisor(Service):
                 return
             message = f"llama-server for model {model.model_id!r} {how} while loading on {self.name}{tail}"
             self._record_failure()
+            self.load_failures += 1
             self._load_failed(errors.model_load_failed(message))
         elif was == READY:
             failures = self._record_failure()
+            self.crashes += 1
             self.restarts += 1
             self.last_error = f"llama-server for {model.model_id!r} {how} unexpectedly{self._tail_for_error()}"
             log.error("{message}", message=self.last_error, device=self.name, model=model.model_id)
