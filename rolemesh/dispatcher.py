@@ -1,0 +1,521 @@
+"""Registration with, and heartbeats to, a RoleMesh dispatcher.
+
+The dispatcher is advisory for this node: whatever it does (refuse
+connections, hang, answer 5xx, reject our token, forget us), the agent keeps
+serving locally.  So every request here is bounded by a timeout, every
+failure is absorbed and turned into a retry, and the log speaks once per
+change of the dispatcher's health, not once per attempt.
+
+The decisions (how long to wait, what a status code means) are pure and live
+in :class:`Backoff` and :func:`classify`; :class:`DispatcherClient` only does
+the I/O, on an injected reactor with an injected ``treq``-like client, so the
+tests drive it with ``task.Clock`` and ``treq.testing.StubTreq``.
+"""
+
+from __future__ import annotations
+
+import math
+import random as _random
+from collections.abc import Callable
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from rolemesh import __version__
+from rolemesh.payloads import deregistration_payload
+
+REGISTER_PATH = "/v1/nodes/register"
+HEARTBEAT_PATH = "/v1/nodes/heartbeat"
+DEREGISTER_PATH = "/v1/nodes/deregister"
+
+#: What one answer (or the lack of one) means; see :func:`classify`.
+OK = "ok"
+FORGOTTEN = "forgotten"
+AUTH = "auth"
+REJECTED = "rejected"
+TRANSIENT = "transient"
+
+#: Values of :attr:`DispatcherClient.state`.
+UNREGISTERED = "unregistered"
+REGISTERED = "registered"
+UNREACHABLE = "unreachable"
+
+_TRANSIENT_CODES = frozenset({408, 425, 429})
+_MAX_DETAIL = 200
+
+
+class Backoff:
+    """Capped exponential backoff with full jitter.
+
+    The n-th consecutive delay is drawn uniformly from ``[0, min(cap, base *
+    2**n)]`` ("full jitter"), so a fleet of nodes that lost the same
+    dispatcher does not come back in lock-step.  ``random`` is injected (a
+    callable returning a float in ``[0, 1)``) so tests can pin it.
+    """
+
+    def __init__(self, base: float, cap: float, random: Callable[[], float] = _random.random) -> None:
+        if not (math.isfinite(base) and math.isfinite(cap)) or base <= 0 or cap < base:
+            raise ValueError(f"backoff needs 0 < base <= cap, both finite; got base={base!r}, cap={cap!r}")
+        self.base = base
+        self.cap = cap
+        self._random = random
+        self._ceiling = base
+        #: Delays handed out since the last :meth:`reset`.
+        self.attempts = 0
+
+    @property
+    def ceiling(self) -> float:
+        """The upper bound of the next delay."""
+        return self._ceiling
+
+    def next_delay(self) -> float:
+        """Return the next delay in seconds and grow the ceiling (up to the cap)."""
+        ceiling = self._ceiling
+        delay = min(ceiling, max(0.0, self._random() * ceiling))
+        self._ceiling = min(self.cap, ceiling * 2)
+        self.attempts += 1
+        return delay
+
+    def reset(self) -> None:
+        """Start over from ``base``: called after any success."""
+        self._ceiling = self.base
+        self.attempts = 0
+
+
+def classify(kind: str, code: int | None) -> str:
+    """What the dispatcher's answer to a ``kind`` request means.
+
+    ``code`` is the HTTP status, or ``None`` when no answer came (connection
+    refused, reset, timeout).  ``kind`` is ``"register"``, ``"heartbeat"`` or
+    ``"deregister"``.  Returns one of ``OK``, ``FORGOTTEN`` (the dispatcher no
+    longer knows the node: register again), ``AUTH`` (our token was refused:
+    a configuration error), ``REJECTED`` (any other refusal, e.g. a wrong base
+    URL or a payload it does not accept) or ``TRANSIENT`` (down, overloaded
+    or slow: retry with backoff).
+    """
+    if code is None:
+        return TRANSIENT
+    if 200 <= code < 300:
+        return OK
+    if code in (404, 410) and kind in ("heartbeat", "deregister"):
+        return FORGOTTEN
+    if code in (401, 403):
+        return AUTH
+    if code in _TRANSIENT_CODES or code >= 500:
+        return TRANSIENT
+    return REJECTED
+
+
+def _default_http(reactor: Any, timeout: float) -> Any:
+    """A treq ``HTTPClient`` on ``reactor`` with a bounded connect time.
+
+    Non-persistent connections: one short request every few seconds does not
+    need a pool, a POST on a stale kept-alive connection would fail (and read
+    as an outage), and nothing lingers on the reactor after shutdown.  The
+    connection factory is made quiet so each beat does not log
+    "Starting factory" / "Stopping factory".
+    """
+    from treq.client import HTTPClient
+    from twisted.web.client import Agent, HTTPConnectionPool
+
+    pool = HTTPConnectionPool(reactor, persistent=False)
+    factory = getattr(pool, "_factory", None)
+    if isinstance(factory, type):
+        quiet: Any = type("QuietHTTP11ClientFactory", (factory,), {"noisy": False})
+        pool._factory = quiet
+    agent: Any = Agent(reactor, connectTimeout=timeout, pool=pool)
+    return HTTPClient(agent)
+
+
+def _without_userinfo(url: str) -> str:
+    """``url`` with any ``user:password@`` removed, for logs."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    host, slash, path = rest.partition("/")
+    return f"{scheme}://{host.rpartition('@')[2]}{slash}{path}"
+
+
+class DispatcherClient(Service):
+    """Registers the node, heartbeats it, and deregisters it on shutdown.
+
+    ``registration`` and ``heartbeat`` are called just before each request to
+    build its JSON body (see :mod:`rolemesh.payloads`), so every beat carries
+    the node's current state.  One request is in flight at a time; the next
+    one is scheduled on ``reactor`` when it ends: ``interval`` after the start
+    of a successful one, a jittered backoff (capped at ``backoff_cap``,
+    default ``interval``) after a transient failure, ``slow_retry`` after the
+    dispatcher refused us (bad token, bad URL), and at once after a heartbeat
+    the dispatcher did not recognise (404/410), which re-registers.
+
+    ``http`` is a ``treq``-like object: its ``post(url, json=, headers=,
+    allow_redirects=, reactor=)`` returns a Deferred response with
+    ``.code`` and ``.content()``.  The token is sent as a bearer token and is
+    never logged.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None,
+        registration: Callable[[], dict[str, Any]],
+        heartbeat: Callable[[], dict[str, Any]],
+        interval: float,
+        reactor: Any = None,
+        http: Any = None,
+        request_timeout: float = 5.0,
+        *,
+        backoff_base: float | None = None,
+        backoff_cap: float | None = None,
+        slow_retry: float | None = None,
+        deregister_timeout: float = 2.0,
+        random: Callable[[], float] = _random.random,
+        on_result: Callable[[str, bool], None] | None = None,
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"interval must be positive, got {interval!r}")
+        if reactor is None:
+            from twisted.internet import reactor as _global_reactor
+
+            reactor = _global_reactor
+        self.base_url = base_url.rstrip("/")
+        #: The base URL without any user:password, for logs and status pages.
+        self.display_url = _without_userinfo(self.base_url)
+        self._token = token or None
+        self._registration = registration
+        self._heartbeat = heartbeat
+        self.interval = float(interval)
+        self._reactor = reactor
+        self._http = http if http is not None else _default_http(reactor, request_timeout)
+        self.request_timeout = float(request_timeout)
+        self.deregister_timeout = float(deregister_timeout)
+        cap = float(backoff_cap) if backoff_cap is not None else self.interval
+        base = float(backoff_base) if backoff_base is not None else min(1.0, cap / 4)
+        self._backoff = Backoff(base, cap, random)
+        #: Delay between attempts once the dispatcher refused us (401/403/4xx).
+        self.slow_retry = float(slow_retry) if slow_retry is not None else max(60.0, 10 * self.interval)
+        self.on_result = on_result
+
+        #: ``"unregistered"``, ``"registered"`` or ``"unreachable"``.
+        self.state = UNREGISTERED
+        #: ``reactor.seconds()`` of the last answered-OK request, or None.
+        self.last_success: float | None = None
+        self.heartbeats_ok = 0
+        self.heartbeats_failed = 0
+        self.registrations_ok = 0
+        self.registrations_failed = 0
+
+        self._registered = False
+        self._maybe_known = False
+        self._node_id: str | None = None
+        self._problem: str | None = None
+        self._problem_since: float | None = None
+        self._failed_attempts = 0
+        self._builder_broken = False
+        self._call: Any = None
+        self._inflight: Deferred[Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"<DispatcherClient {self.display_url} state={self.state}>"
+
+    # ------------------------------------------------------------------
+    # Service
+
+    def startService(self) -> None:
+        """Start registering in the background; never blocks start-up."""
+        super().startService()
+        self._schedule(0)
+
+    def stopService(self) -> Deferred[None]:
+        """Stop the loop, then deregister (best effort, short timeout).
+
+        The returned Deferred always succeeds, so a dead dispatcher never
+        holds up or fails the agent's shutdown.
+        """
+        super().stopService()
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self._call = None
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.cancel()
+        if not self._maybe_known:
+            return succeed(None)
+        d = Deferred.fromCoroutine(self._deregister())
+
+        def swallow(failure: Failure) -> None:
+            self.log.info("dispatcher deregistration skipped: {reason}", reason=self._describe(failure))
+
+        d.addErrback(swallow)
+        return d
+
+    # ------------------------------------------------------------------
+    # The loop
+
+    def _schedule(self, delay: float) -> None:
+        if self.running:
+            self._call = self._reactor.callLater(max(0.0, delay), self._tick)
+
+    def _tick(self) -> None:
+        """Run one step; it never fails, except by being cancelled on stop."""
+        self._call = None
+        if not self.running:
+            return
+        d = Deferred.fromCoroutine(self._step())
+        self._inflight = d
+
+        def done(delay: float) -> None:
+            self._inflight = None
+            self._schedule(delay)
+
+        def failed(failure: Failure) -> None:
+            self._inflight = None
+            if failure.check(CancelledError) and not self.running:
+                return
+            self.log.failure("dispatcher client step failed unexpectedly", failure)
+            self._schedule(self.slow_retry)
+
+        d.addCallbacks(done, failed)
+
+    async def _step(self) -> float:
+        if self._registered:
+            return await self._beat()
+        return await self._register()
+
+    async def _register(self) -> float:
+        started = self._reactor.seconds()
+        payload = self._build("registration", self._registration)
+        if payload is None:
+            return self.slow_retry
+        if isinstance(payload.get("node_id"), str):
+            self._node_id = payload["node_id"]
+        self._maybe_known = True
+        code, detail = await self._post(REGISTER_PATH, payload, self.request_timeout)
+        if not self.running:
+            raise CancelledError()  # stopped while the request was cancelled: report nothing
+        outcome = classify("register", code)
+        self._report("register", outcome == OK)
+        if outcome == OK:
+            self.registrations_ok += 1
+            self._registered = True
+            self._succeeded()
+            self.log.info(
+                "registered with dispatcher {dispatcher} as node {node_id}",
+                dispatcher=self.display_url,
+                node_id=self._node_id,
+            )
+            return started + self.interval - self._reactor.seconds()
+        self.registrations_failed += 1
+        return self._failed("register", outcome, code, detail)
+
+    async def _beat(self) -> float:
+        started = self._reactor.seconds()
+        payload = self._build("heartbeat", self._heartbeat)
+        if payload is None:
+            return self.interval
+        code, detail = await self._post(HEARTBEAT_PATH, payload, self.request_timeout)
+        if not self.running:
+            raise CancelledError()  # stopped while the request was cancelled: report nothing
+        outcome = classify("heartbeat", code)
+        self._report("heartbeat", outcome == OK)
+        if outcome == OK:
+            self.heartbeats_ok += 1
+            self._succeeded()
+            return started + self.interval - self._reactor.seconds()
+        self.heartbeats_failed += 1
+        if outcome == FORGOTTEN:
+            # The dispatcher is up (it answered) but lost us, e.g. it restarted.
+            self._registered = False
+            self.state = UNREGISTERED
+            self.last_success = self._reactor.seconds()
+            self._backoff.reset()
+            self._recovered()
+            self.log.info(
+                "dispatcher does not know node {node_id} (HTTP {code}); registering again",
+                node_id=self._node_id,
+                code=code,
+            )
+            return 0.0
+        return self._failed("heartbeat", outcome, code, detail)
+
+    def _build(self, what: str, builder: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """Call a payload builder; a broken one is logged once, not per beat."""
+        try:
+            payload = builder()
+        except Exception:  # noqa: BLE001 - a caller bug must not stop the heartbeats
+            if not self._builder_broken:
+                self._builder_broken = True
+                self.log.failure("could not build the {what} payload for the dispatcher", what=what)
+            return None
+        self._builder_broken = False
+        return payload
+
+    # ------------------------------------------------------------------
+    # Health bookkeeping: log on change only
+
+    def _succeeded(self) -> None:
+        self.state = REGISTERED if self._registered else UNREGISTERED
+        self.last_success = self._reactor.seconds()
+        self._backoff.reset()
+        self._recovered()
+
+    def _recovered(self) -> None:
+        problem = self._problem
+        if problem is None:
+            return
+        since = self._problem_since if self._problem_since is not None else self._reactor.seconds()
+        fields = {
+            "dispatcher": self.display_url,
+            "down_s": round(self._reactor.seconds() - since, 3),
+            "failed_attempts": self._failed_attempts,
+        }
+        if problem == TRANSIENT:
+            self.log.info(
+                "dispatcher reachable again after {down_s}s and {failed_attempts} failed attempts", **fields
+            )
+        else:
+            self.log.info("dispatcher accepts this node again after {down_s}s", **fields)
+        self._problem = None
+        self._problem_since = None
+        self._failed_attempts = 0
+
+    def _failed(self, kind: str, outcome: str, code: int | None, detail: str) -> float:
+        """Record a failed request; log only if the kind of failure changed."""
+        self.state = UNREACHABLE
+        self._failed_attempts += 1
+        if outcome == TRANSIENT:
+            delay = self._backoff.next_delay()
+        else:
+            delay = self.slow_retry
+        if outcome != self._problem:
+            if self._problem is None:
+                self._problem_since = self._reactor.seconds()
+            self._problem = outcome
+            reason = detail if code is None else (f"HTTP {code}: {detail}" if detail else f"HTTP {code}")
+            fields = {"dispatcher": self.display_url, "request": kind, "code": code, "reason": reason}
+            if outcome == TRANSIENT:
+                self.log.warn(  # noqa: G010 - twisted.logger.Logger has warn(), not warning()
+                    "dispatcher unreachable ({reason}); retrying in the background "
+                    "with backoff up to {cap}s, local serving continues",
+                    cap=self._backoff.cap,
+                    **fields,
+                )
+            elif outcome == AUTH:
+                self.log.error(
+                    "configuration error: dispatcher rejected our token (HTTP {code} on {request}); "
+                    "check dispatcher_token; retrying every {retry_s}s",
+                    retry_s=self.slow_retry,
+                    **fields,
+                )
+            else:
+                self.log.error(
+                    "dispatcher rejected the {request} request ({reason}); "
+                    "check dispatcher_base_url; retrying every {retry_s}s",
+                    retry_s=self.slow_retry,
+                    **fields,
+                )
+        return delay
+
+    def _report(self, kind: str, ok: bool) -> None:
+        if self.on_result is None:
+            return
+        try:
+            self.on_result(kind, ok)
+        except Exception:  # noqa: BLE001 - a metrics hook must not stop the heartbeats
+            self.log.failure("dispatcher on_result hook failed")
+
+    # ------------------------------------------------------------------
+    # HTTP
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Accept": "application/json", "User-Agent": f"rolemesh-node-agent/{__version__}"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        return headers
+
+    async def _post(self, path: str, payload: dict[str, Any], timeout: float) -> tuple[int | None, str]:
+        """POST ``payload``; return ``(status, detail)``, status None if no answer.
+
+        Never raises except :class:`CancelledError` when the service stops.
+        The whole exchange, body included, is bounded by ``timeout``.
+        """
+        url = self.base_url + path
+
+        async def exchange() -> tuple[int, bytes]:
+            response = await self._http.post(
+                url,
+                json=payload,
+                headers=self._headers(),
+                allow_redirects=False,
+                reactor=self._reactor,
+            )
+            body = await response.content()
+            return response.code, body
+
+        d = Deferred.fromCoroutine(exchange())
+        timed_out = []
+
+        def expire() -> None:
+            timed_out.append(True)
+            d.cancel()
+
+        timer = self._reactor.callLater(timeout, expire)
+        try:
+            code, body = await d
+        except CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - any failure means "no answer"; never raise
+            # A cancelled Agent request surfaces as ResponseNeverReceived, not
+            # CancelledError, so the timer's flag is what tells a timeout apart.
+            if timed_out:
+                return None, f"no answer within {timeout:g}s"
+            return None, self._describe(Failure())
+        finally:
+            if timer.active():
+                timer.cancel()
+        return code, self._scrub(body.decode("utf-8", "replace").strip())
+
+    def _describe(self, failure: Failure) -> str:
+        """A short, token-free account of why a request failed."""
+        value = failure.value
+        name = type(value).__name__
+        reasons = getattr(value, "reasons", None)  # treq/Agent wrap the cause in a list
+        if reasons:
+            value = reasons[0].value
+            name = type(value).__name__
+        text = str(value).strip()
+        return self._scrub(f"{name}: {text}" if text else name)
+
+    def _scrub(self, text: str) -> str:
+        if self._token:
+            text = text.replace(self._token, "***")
+        return text[:_MAX_DETAIL]
+
+    async def _deregister(self) -> None:
+        node_id = self._node_id
+        if node_id is None:
+            payload = self._build("registration", self._registration)
+            node_id = payload.get("node_id") if payload else None
+        if not isinstance(node_id, str):
+            return
+        payload = deregistration_payload(node_id)
+        code, detail = await self._post(DEREGISTER_PATH, payload, self.deregister_timeout)
+        outcome = classify("deregister", code)
+        self._report("deregister", outcome in (OK, FORGOTTEN))
+        self._registered = False
+        self._maybe_known = False
+        self.state = UNREGISTERED
+        if outcome == OK:
+            self.log.info("deregistered node {node_id} from dispatcher {dispatcher}",
+                          node_id=node_id, dispatcher=self.display_url)
+        elif outcome == FORGOTTEN:
+            self.log.info("dispatcher {dispatcher} has no registration to remove (HTTP {code}); fine",
+                          dispatcher=self.display_url, code=code)
+        else:
+            self.log.info("dispatcher deregistration failed (best effort, ignored): {reason}",
+                          reason=detail if code is None else f"HTTP {code}: {detail}")

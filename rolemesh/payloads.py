@@ -1,0 +1,116 @@
+"""Pure builders for the JSON bodies the node sends to a RoleMesh dispatcher.
+
+They take plain records and return plain dicts, with no I/O and no clock of
+their own, so that ``GET /v1/node/registration`` and the dispatcher client
+produce byte-for-byte the same registration, and so the shapes can be checked
+against the shipped JSON Schemas (``rolemesh/schemas/*.schema.json``) by
+property tests.  Secrets (``api_keys``, ``dispatcher_token``) are never read
+here, so they cannot end up in a payload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rolemesh.config import NodeConfig
+from rolemesh.devices import DeviceMetrics, DeviceRef
+
+#: The OpenAI-compatible endpoints the node proxies, plus SSE streaming.
+CAPABILITIES = ("chat.completions", "completions", "embeddings", "streaming")
+
+#: Child states a heartbeat may report for a device.
+DEVICE_STATES = ("stopped", "starting", "ready", "stopping", "failed")
+
+
+def registration_payload(
+    config: NodeConfig,
+    backend: str,
+    devices: Sequence[DeviceRef],
+    version: str,
+) -> dict[str, Any]:
+    """The body of ``POST <dispatcher>/v1/nodes/register``.
+
+    ``backend`` is the resolved backend name (never ``auto``); ``devices`` are
+    the devices the node actually serves on (after the allow-list).
+    """
+    return {
+        "node_id": config.node_id,
+        "advertise_url": config.advertise_url,
+        "agent_version": version,
+        "backend": backend,
+        "devices": [d.to_json() for d in devices],
+        "served_models": [
+            {
+                "model_id": m.model_id,
+                "alias": m.alias,
+                "roles": list(dict.fromkeys(m.roles)),
+            }
+            for m in config.models
+        ],
+        "capabilities": list(CAPABILITIES),
+        "max_pending_requests_per_device": config.max_pending_requests_per_device,
+    }
+
+
+def device_state(
+    device: str,
+    state: str,
+    *,
+    now: float,
+    model: str | None = None,
+    port: int | None = None,
+    pid: int | None = None,
+    in_flight: int = 0,
+    queued: int = 0,
+    pending_limit: int,
+    restarts: int = 0,
+    metrics: DeviceMetrics | None = None,
+) -> dict[str, Any]:
+    """One entry of a heartbeat's ``devices`` list, in the documented shape.
+
+    A convenience for the caller that assembles heartbeats: it keeps the key
+    names in one place and turns the metrics record into JSON with its age.
+    """
+    return {
+        "device": device,
+        "state": state,
+        "model": model,
+        "port": port,
+        "pid": pid,
+        "in_flight": in_flight,
+        "queued": queued,
+        "pending_limit": pending_limit,
+        "restarts": restarts,
+        "metrics": None if metrics is None else metrics.to_json(now),
+    }
+
+
+def heartbeat_payload(
+    node_id: str,
+    seq: int,
+    now: float,
+    devices: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    """The body of ``POST <dispatcher>/v1/nodes/heartbeat``.
+
+    ``seq`` increases by one per heartbeat for the life of the process, so the
+    dispatcher can drop reordered or duplicated beats; ``now`` is POSIX
+    seconds.  Each entry of ``devices`` is a per-device state dict (see
+    :func:`device_state`); a ``metrics`` value that is still a
+    :class:`DeviceMetrics` record is converted with its age relative to
+    ``now``.  Entries are copied, never mutated.
+    """
+    entries: list[dict[str, Any]] = []
+    for d in devices:
+        entry = dict(d)
+        metrics = entry.get("metrics")
+        if isinstance(metrics, DeviceMetrics):
+            entry["metrics"] = metrics.to_json(now)
+        entries.append(entry)
+    return {"node_id": node_id, "seq": seq, "time": now, "devices": entries}
+
+
+def deregistration_payload(node_id: str) -> dict[str, Any]:
+    """The body of ``POST <dispatcher>/v1/nodes/deregister``."""
+    return {"node_id": node_id}
