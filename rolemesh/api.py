@@ -253,6 +253,7 @@ class NodeAPI:
         rid = self._request_id(request)
         model_id: Optional[str] = None
         status = 500
+        first_byte: list = []
         try:
             self._authorize(request)
             if self.node.draining:
@@ -271,6 +272,7 @@ class NodeAPI:
                     body,
                     streaming,
                     timeout=None if streaming else self.config.request_timeout_s,
+                    on_first_byte=lambda: first_byte.append(time.monotonic() - started),
                 )
             except errors.ApiError as e:
                 if e.code == "upstream_timeout":
@@ -297,5 +299,5 @@ class NodeAPI:
             raise
         finally:
             self._observe(endpoint=endpoint, model=model_id, status=status,
-                          duration=time.monotonic() - started)
+                          duration=time.monotonic() - started, ttfb=first_byte[0] if first_byte else None)
 

@@ -15,7 +15,7 @@ fails on a stale pooled connection before any byte was sent is retried once.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
@@ -92,16 +92,18 @@ def sse_error_event(message: str) -> bytes:
 class _Relay(Protocol):
     """Copies an upstream body to the downstream request as it arrives."""
 
-    def __init__(self, request: Any, streaming: bool, finished: Deferred) -> None:
+    def __init__(self, request: Any, finished: Deferred, on_first_byte: Optional[Callable[[], None]]) -> None:
         self._request = request
-        self._streaming = streaming
         self._finished = finished
-        self.first_byte: Optional[float] = None
+        self._on_first_byte = on_first_byte
 
     def connectionMade(self) -> None:
         self._request.registerProducer(self.transport, True)
 
     def dataReceived(self, data: bytes) -> None:
+        if self._on_first_byte is not None:
+            notify, self._on_first_byte = self._on_first_byte, None
+            notify()
         self._request.write(data)
 
     def abort(self) -> None:
@@ -164,6 +166,7 @@ class Proxy:
         streaming: bool,
         timeout: Optional[float] = None,
         content_type: bytes = b"application/json",
+        on_first_byte: Optional[Callable[[], None]] = None,
     ) -> "Deferred[str]":
         """Relay ``body`` to ``base_url + path`` and the answer to ``request``.
 
@@ -223,7 +226,7 @@ class Proxy:
                 request.setHeader(b"x-accel-buffering", b"no")
                 request.setHeader(b"cache-control", b"no-cache")
             finished: Deferred = Deferred()  # fires True (whole body) or False (cut off)
-            protocol = _Relay(request, event_stream, finished)
+            protocol = _Relay(request, finished, on_first_byte)
             relay.append(protocol)
             response.deliverBody(protocol)
             return finished.addCallback(lambda outcome: (outcome, event_stream))
