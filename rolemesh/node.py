@@ -301,6 +301,11 @@ class Node(MultiService):
 
         def got(samples: List[DeviceMetrics]) -> None:
             for sample in samples:
+                previous = self.metrics.get(sample.device)
+                if sample.stale and previous is not None:
+                    # The backend could not measure this device this time:
+                    # keep the last figures, say they are stale and why.
+                    sample = previous.marked_stale(sample.error or "sample failed")
                 self.metrics[sample.device] = sample
                 if sample.device in self.scheduler.devices:
                     self.scheduler.set_free_memory(sample.device, sample.memory_free_bytes)

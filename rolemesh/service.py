@@ -17,6 +17,7 @@ deregister, stop the children (TERM, then KILL), close pooled connections.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -35,9 +36,11 @@ from rolemesh.api import NodeAPI
 from rolemesh.backends import BackendUnavailable
 from rolemesh.config import NodeConfig
 from rolemesh.devices import DeviceRef
+from rolemesh.dispatcher import DispatcherClient
 from rolemesh.errors import ConfigError
 from rolemesh.interfaces import IDeviceBackend
 from rolemesh.node import Node
+from rolemesh.payloads import heartbeat_payload, registration_payload
 from rolemesh.pidfiles import PidFiles
 from rolemesh.proxy import Proxy
 from rolemesh.supervisor import DeviceSupervisor
@@ -230,31 +233,20 @@ def make_service(
     root.listener = listener
 
     if config.dispatcher_base_url:
-        root.dispatcher = _dispatcher(config, backend, devices, node, registration, reactor)
-        if root.dispatcher is not None:
-            root.dispatcher.setServiceParent(root)
+        root.dispatcher = _dispatcher(config, node, registration, reactor)
+        root.dispatcher.setServiceParent(root)
     return root
 
 
 def _registration_builder(config: NodeConfig, backend: Any, devices: Sequence[DeviceRef]) -> Callable[[], dict]:
-    try:
-        from rolemesh.payloads import registration_payload
-    except ImportError:  # pragma: no cover - the dispatcher module is optional during development
-        return lambda: {"node_id": config.node_id}
     return lambda: registration_payload(config, backend.name, devices, __version__)
 
 
-def _dispatcher(config: NodeConfig, backend: Any, devices: Any, node: Node, registration: Any, reactor: Any) -> Any:
-    try:
-        from rolemesh.dispatcher import DispatcherClient
-        from rolemesh.payloads import heartbeat_payload
-    except ImportError:  # pragma: no cover
-        return None
-    seq = [0]
+def _dispatcher(config: NodeConfig, node: Node, registration: Callable[[], dict], reactor: Any) -> DispatcherClient:
+    seq = itertools.count(1)
 
     def heartbeat() -> dict:
-        seq[0] += 1
-        return heartbeat_payload(config.node_id, seq[0], node.reactor.seconds(), node.device_states())
+        return heartbeat_payload(config.node_id, next(seq), node.reactor.seconds(), node.device_states())
 
     return DispatcherClient(
         config.dispatcher_base_url,
