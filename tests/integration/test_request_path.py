@@ -23,7 +23,7 @@ from tests.integration.harness import (
     write_fake_llama_server_bin,
 )
 
-CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "ignore_eos": True}
 
 
 class RealModelTests(SynchronousTestCase):
@@ -48,13 +48,14 @@ class RealModelTests(SynchronousTestCase):
 
     def test_openai_client_chat_stream_completion_embedding(self):
         client = self.client()
-        chat = client.chat.completions.create(model="tiny-a", messages=CHAT["messages"], max_tokens=4)
+        chat = client.chat.completions.create(model="tiny-a", messages=CHAT["messages"], max_tokens=4,
+                                              extra_body={"ignore_eos": True})
         self.assertEqual(chat.object, "chat.completion")
         self.assertEqual(chat.usage.completion_tokens, 4)
         self.assertEqual(chat.model, "tiny-a")
 
         chunks = list(client.chat.completions.create(model="chat", messages=CHAT["messages"], max_tokens=6,
-                                                     stream=True))
+                                                     stream=True, extra_body={"ignore_eos": True}))
         self.assertGreater(len(chunks), 2)
         self.assertEqual(chunks[-1].choices[0].finish_reason, "length")
 
