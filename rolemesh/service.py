@@ -127,6 +127,9 @@ class NodeAgentService(MultiService):
     def startService(self) -> None:
         super().startService()
         host = self.config.listen_host
+        port = getattr(getattr(self.listener, "_port", None), "getHost", lambda: None)()
+        if port is not None:
+            log.info("serving the OpenAI-compatible API on http://{host}:{port}", host=host, port=port.port)
         if host not in LOOPBACK and not self.config.api_keys:
             log.warn(
                 "!!! listening on {host} without an api_key: anyone who can reach this port can use "
