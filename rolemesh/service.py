@@ -10,9 +10,10 @@
         +-- ...
 
 ``MultiService.stopService`` stops children without waiting between them, so
-:class:`NodeAgentService` orders shutdown itself: stop accepting
-connections, drain in-flight requests (up to ``shutdown_grace_s``),
-deregister, stop the children (TERM, then KILL), close pooled connections.
+:class:`NodeAgentService` orders shutdown itself: drain (new requests get
+503 ``shutting_down``, in-flight ones finish, up to ``shutdown_grace_s``),
+stop listening, deregister, stop the children (TERM, then KILL), close
+pooled connections.
 """
 
 from __future__ import annotations
@@ -173,12 +174,14 @@ class NodeAgentService(MultiService):
 
     async def _stop_in_order(self) -> None:
         self.running = 0
-        if self.listener is not None and self.listener.running:
-            await defer.maybeDeferred(self.listener.stopService)
+        # Drain while still listening, so new requests get a clear 503
+        # shutting_down instead of a refused connection.
         drain = self.node.drain(self.config.shutdown_grace_s)
         self._drain = defer.Deferred()
         drain.addBoth(lambda _: None if self._drain is None or self._drain.called else self._drain.callback(None))
         await self._drain
+        if self.listener is not None and self.listener.running:
+            await defer.maybeDeferred(self.listener.stopService)
         if self.dispatcher is not None and self.dispatcher.running:
             await defer.maybeDeferred(self.dispatcher.stopService)
         if self.node.running:
