@@ -83,6 +83,8 @@ TOP_LEVEL_KEYS: Tuple[KeyDoc, ...] = (
     KeyDoc("state_dir", "path", "`$XDG_STATE_HOME/rolemesh-node` or `~/.local/state/rolemesh-node`",
            "Where pid files of children live."),
     KeyDoc("log_format", "`text` or `json`", "`text`", "Log line format."),
+    KeyDoc("preload", "list of model ids or `{model, device}` mappings", "`[]`",
+           "Models to load at start-up, optionally on a given device (besides per-model `preload`)."),
     KeyDoc("models", "list of model entries", "`[]`", "The models this node serves (below)."),
 )
 
@@ -180,6 +182,8 @@ class NodeConfig:
     state_dir: str = ""
     log_format: str = "text"
     models: Tuple[ModelConfig, ...] = ()
+    #: ``(model_id, device or None)`` pairs from the top-level ``preload`` list.
+    preload: Tuple[Tuple[str, Optional[str]], ...] = ()
 
     def model(self, model_id: str) -> ModelConfig:
         for m in self.models:
@@ -562,6 +566,31 @@ def _api_keys(data: Mapping[str, Any], environ: Mapping[str, str], check_files: 
     return tuple(dict.fromkeys(keys))
 
 
+def _preload(value: Any, models: Tuple[ModelConfig, ...]) -> Tuple[Tuple[str, Optional[str]], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise _fail("preload", "a list of model ids or {model, device} mappings", value)
+    known = {m.model_id for m in models}
+    out = []
+    for i, entry in enumerate(value):
+        path = f"preload[{i}]"
+        if isinstance(entry, str):
+            model, device = entry, None
+        elif isinstance(entry, dict):
+            extra = set(entry) - {"model", "device"}
+            if extra:
+                raise ConfigError(f"{path}.{sorted(extra)[0]}: unknown key (expected model and device)")
+            model = _string(f"{path}.model", entry.get("model"))
+            device = _optional(entry, "device", f"{path}.", _string)
+        else:
+            raise _fail(path, "a model id or a {model, device} mapping", entry)
+        if model not in known:
+            raise ConfigError(f"{path}: unknown model_id {_show(model)}")
+        out.append((model, device))
+    return tuple(out)
+
+
 def validate(
     data: Mapping[str, Any],
     *,
@@ -652,6 +681,7 @@ def validate(
         state_dir=os.path.expanduser(_optional(data, "state_dir", "", _string) or default_state_dir(env)),
         log_format=_choice("log_format", data.get("log_format", "text"), LOG_FORMATS),
         models=models,
+        preload=_preload(data.get("preload"), models),
     )
 
 

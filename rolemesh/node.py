@@ -121,6 +121,8 @@ class Node(MultiService):
         for model in self.config.models:
             if model.preload:
                 self.preload(model)
+        for model_id, device in self.config.preload:
+            self.preload(self.config.model(model_id), device)
 
     def preload(self, model: ModelConfig, device: Optional[str] = None) -> "Deferred[Optional[str]]":
         """Load ``model`` as a request would, then release the device at once."""

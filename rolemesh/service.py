@@ -210,6 +210,10 @@ def make_service(
         backend, devices = choice.backend, choice.devices
         log.info("backend {backend}: {reason}", backend=choice.backend.name, reason=choice.reason)
     assert devices is not None
+    names = [d.name for d in devices]
+    for i, (_, device) in enumerate(config.preload):
+        if device is not None and device not in names:
+            raise ConfigError(f'preload[{i}].device: "{device}" is not a device of this node ({", ".join(names)})')
     binary = binary or resolve_binary(config)
 
     pidfiles = PidFiles(config.state_dir)

@@ -1176,3 +1176,30 @@ class RobustnessTests(SynchronousTestCase):
     @given(st.lists(model_entries, max_size=3), st.dictionaries(model_keys, values, max_size=4))
     def test_any_model_entries(self, entries: list, extra: dict) -> None:
         self.check({"models": [dict(e, **extra) if isinstance(e, dict) else e for e in entries]})
+
+
+class PreloadListTests(SynchronousTestCase):
+    """The top-level ``preload`` list: model ids or {model, device} mappings."""
+
+    def config(self, preload):
+        return validate({"models": [{"model_id": "a", "path": "/m/a.gguf"}], "preload": preload},
+                        check_files=False, environ={})
+
+    def test_ids_and_mappings(self):
+        self.assertEqual(self.config(["a", {"model": "a", "device": "gpu:1"}]).preload,
+                         (("a", None), ("a", "gpu:1")))
+
+    def test_unknown_model(self):
+        with self.assertRaises(ConfigError) as e:
+            self.config(["b"])
+        self.assertEqual(str(e.exception), 'preload[0]: unknown model_id "b"')
+
+    def test_unknown_key(self):
+        with self.assertRaises(ConfigError) as e:
+            self.config([{"model": "a", "gpu": 1}])
+        self.assertEqual(str(e.exception), "preload[0].gpu: unknown key (expected model and device)")
+
+    def test_not_a_list(self):
+        with self.assertRaises(ConfigError) as e:
+            self.config("a")
+        self.assertIn("preload: expected a list", str(e.exception))

@@ -166,6 +166,7 @@ class WorkedExampleTests(SynchronousTestCase):
             "api_key_file",
             "dispatcher_token",
             "idle_unload_s",
+            "preload",
         ]
         for key in accepting:
             validate({key: None}, check_files=False, environ={})
