@@ -74,6 +74,11 @@ TOP_LEVEL_KEYS: Tuple[KeyDoc, ...] = (
     KeyDoc("dispatcher_token", "string", "unset", "Bearer token sent to the dispatcher."),
     KeyDoc("max_request_body_bytes", "positive integer", "`8388608` (8 MiB)",
            "Larger request bodies are answered 413."),
+    KeyDoc("max_connections", "positive integer", "`1024`",
+           "Open client connections accepted at once; more are closed at once."),
+    KeyDoc("request_read_timeout_s", "positive number", "`30`",
+           "Deadline for receiving a whole request (headers and body); slower clients are cut off."),
+    KeyDoc("idle_timeout_s", "positive number", "`60`", "Keep-alive connections idle this long are closed."),
     KeyDoc("request_timeout_s", "positive number", "`600`",
            "Deadline for a non-streaming upstream answer (504 after it)."),
     KeyDoc("shutdown_grace_s", "non-negative number", "`30`",
@@ -176,6 +181,9 @@ class NodeConfig:
     api_keys: Tuple[str, ...] = attr.ib(default=(), repr=False)
     dispatcher_token: Optional[str] = attr.ib(default=None, repr=False)
     max_request_body_bytes: int = 8 * 1024 * 1024
+    max_connections: int = 1024
+    request_read_timeout_s: float = 30.0
+    idle_timeout_s: float = 60.0
     request_timeout_s: float = 600.0
     shutdown_grace_s: float = 30.0
     idle_unload_s: Optional[float] = None
@@ -675,6 +683,9 @@ def validate(
         max_request_body_bytes=_positive_int(
             "max_request_body_bytes", data.get("max_request_body_bytes", 8 * 1024 * 1024)
         ),
+        max_connections=_positive_int("max_connections", data.get("max_connections", 1024)),
+        request_read_timeout_s=_positive_number("request_read_timeout_s", data.get("request_read_timeout_s", 30.0)),
+        idle_timeout_s=_positive_number("idle_timeout_s", data.get("idle_timeout_s", 60.0)),
         request_timeout_s=_positive_number("request_timeout_s", data.get("request_timeout_s", 600.0)),
         shutdown_grace_s=_non_negative_number("shutdown_grace_s", data.get("shutdown_grace_s", 30.0)),
         idle_unload_s=None if idle is None else _positive_number("idle_unload_s", idle),

@@ -30,7 +30,6 @@ from twisted.application import internet
 from twisted.application.service import MultiService
 from twisted.internet import defer
 from twisted.logger import Logger
-from twisted.web.server import Site
 
 from rolemesh import __version__
 from rolemesh.api import NodeAPI
@@ -40,6 +39,7 @@ from rolemesh.devices import DeviceRef
 from rolemesh.dispatcher import DispatcherClient
 from rolemesh.errors import ConfigError
 from rolemesh.interfaces import IDeviceBackend
+from rolemesh.listener import GuardedSite
 from rolemesh.node import Node
 from rolemesh.payloads import heartbeat_payload, registration_payload
 from rolemesh.pidfiles import PidFiles
@@ -235,9 +235,13 @@ def make_service(
                   observers=[metrics.observe] if metrics else [])
     node.setServiceParent(root)
 
-    site = Site(api.resource(), timeout=60 * 5)
-    site.displayTracebacks = False
-    site.noisy = False
+    site = GuardedSite(
+        api.resource(),
+        reactor=reactor,
+        idle_timeout=config.idle_timeout_s,
+        request_read_timeout=config.request_read_timeout_s,
+        max_connections=config.max_connections,
+    )
     listener = internet.TCPServer(config.listen_port, site, interface=config.listen_host, reactor=reactor)
     listener.setServiceParent(root)
     root.listener = listener

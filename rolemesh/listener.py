@@ -1,0 +1,99 @@
+"""The listening side of the API: a twisted.web Site with limits.
+
+twisted.web's idle timeout restarts on every byte, so a client that drips
+its request a byte at a time (slow loris) would hold a connection -- and,
+once its request is queued, a device slot -- for ever.  :class:`GuardedSite`
+adds an absolute deadline for receiving each whole request (headers and
+body), and a cap on open client connections.  Time spent answering (a long
+stream) is not limited here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from twisted.logger import Logger
+from twisted.web.http import HTTPChannel
+from twisted.web.server import Site
+
+log = Logger()
+
+
+class _GuardedChannel(HTTPChannel):
+    site: "GuardedSite"
+    _read_deadline: Any = None
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        seconds = self.site.request_read_timeout
+        if seconds:
+            self._read_deadline = self.site.reactor.callLater(seconds, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._read_deadline is not None and self._read_deadline.active():
+            self._read_deadline.cancel()
+        self._read_deadline = None
+
+    def _too_slow(self) -> None:
+        self._read_deadline = None
+        log.info("closing a client connection that did not send its request within {seconds:g}s",
+                 seconds=self.site.request_read_timeout)
+        self.transport.abortConnection()
+
+    def allContentReceived(self) -> None:
+        self._disarm()
+        super().allContentReceived()
+
+    def requestDone(self, request: Any) -> None:
+        super().requestDone(request)
+        if not self._handlingRequest and self.transport is not None and self.transport.connected:
+            self._arm()  # keep-alive: the next request gets its own deadline
+
+    def connectionLost(self, reason: Any) -> None:
+        self._disarm()
+        self.site.open_connections -= 1
+        super().connectionLost(reason)
+
+
+class GuardedSite(Site):
+    """A Site with a per-request read deadline and a connection cap."""
+
+    protocol = _GuardedChannel  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        resource: Any,
+        *,
+        reactor: Any = None,
+        idle_timeout: float = 60.0,
+        request_read_timeout: Optional[float] = 30.0,
+        max_connections: int = 1024,
+    ) -> None:
+        super().__init__(resource, timeout=idle_timeout, reactor=reactor)
+        self.request_read_timeout = request_read_timeout
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self._refusing = False
+        self.displayTracebacks = False
+        self.noisy = False
+
+    def log(self, request: Any) -> None:
+        """No Apache-style access line: the API logs each proxied request with
+        structured fields (request id, model, device, status, duration)."""
+
+    def buildProtocol(self, addr: Any) -> Any:
+        if self.open_connections >= self.max_connections:
+            if not self._refusing:
+                log.warn("refusing client connections: {count} already open (max_connections)",
+                         count=self.open_connections)
+            self._refusing = True
+            return None
+        self._refusing = False
+        channel = super().buildProtocol(addr)
+        if channel is not None:
+            self.open_connections += 1
+        return channel
