@@ -3,10 +3,11 @@
 
 The tables come from ``rolemesh.config.TOP_LEVEL_KEYS`` and ``MODEL_KEYS``,
 the single source of truth for key names, types, defaults and meanings.
-After changing either, run this from the repository root and paste its output
-over the two tables in ``docs/configuration.md``::
+After changing either, run this from the repository root to rewrite the two
+tables in ``docs/configuration.md`` in place (without ``--write`` it prints
+them)::
 
-    python docs/gen_config_doc.py
+    python docs/gen_config_doc.py --write
 
 ``tests/test_docs.py`` fails while a table in the document differs from what
 this script prints, so the document and the code cannot drift apart.
@@ -48,7 +49,27 @@ def tables() -> dict[str, str]:
     }
 
 
+DOC = os.path.join(ROOT, "docs", "configuration.md")
+
+
+def rewrite(document: str) -> str:
+    """``document`` with each section's first table replaced by the generated one."""
+    for title, text in tables().items():
+        start = document.index(f"## {title}\n")
+        begin = document.index("| key |", start)
+        end = document.find("\n\n", begin)
+        end = len(document) if end < 0 else end + 1
+        document = document[:begin] + text + document[end:]
+    return document
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--write"]:
+        with open(DOC, encoding="utf-8") as f:
+            document = f.read()
+        with open(DOC, "w", encoding="utf-8") as f:
+            f.write(rewrite(document))
+        return
     for title, text in tables().items():
         print(f"## {title}\n")
         print(text)

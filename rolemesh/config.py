@@ -71,6 +71,8 @@ TOP_LEVEL_KEYS: Tuple[KeyDoc, ...] = (
     KeyDoc("api_key_env", "environment variable name", "unset",
            "Read one more accepted key from this environment variable."),
     KeyDoc("api_key_file", "path", "unset", "Read accepted keys from this file, one per line."),
+    KeyDoc("require_auth_off_loopback", "boolean", "`false`",
+           "Refuse to start when listening beyond loopback without an API key (else: a loud warning)."),
     KeyDoc("dispatcher_token", "string", "unset", "Bearer token sent to the dispatcher."),
     KeyDoc("max_request_body_bytes", "positive integer", "`8388608` (8 MiB)",
            "Larger request bodies are answered 413."),
@@ -180,6 +182,7 @@ class NodeConfig:
     heartbeat_interval_s: float = 5.0
     api_keys: Tuple[str, ...] = attr.ib(default=(), repr=False)
     dispatcher_token: Optional[str] = attr.ib(default=None, repr=False)
+    require_auth_off_loopback: bool = False
     max_request_body_bytes: int = 8 * 1024 * 1024
     max_connections: int = 1024
     request_read_timeout_s: float = 30.0
@@ -355,6 +358,12 @@ def _non_negative_number(path: str, value: Any) -> float:
     return float(value)
 
 
+def _boolean(path: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(path, "true or false", value)
+    return value
+
+
 def _string(path: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise _fail(path, "a non-empty string", value)
@@ -502,9 +511,7 @@ def _validate_model(i: int, data: Any, check_files: bool) -> ModelConfig:
         else:
             flash_attn = _choice(prefix + "flash_attn", flash_attn, ("on", "off", "auto"))
 
-    preload = data.get("preload", False)
-    if not isinstance(preload, bool):
-        raise _fail(prefix + "preload", "a boolean", preload)
+    preload = _boolean(prefix + "preload", data.get("preload", False))
 
     keep_loaded = "idle_unload_s" in data and data["idle_unload_s"] is None
 
@@ -680,6 +687,7 @@ def validate(
         heartbeat_interval_s=_positive_number("heartbeat_interval_s", data.get("heartbeat_interval_s", 5.0)),
         api_keys=_api_keys(data, env, check_files),
         dispatcher_token=_optional(data, "dispatcher_token", "", _string),
+        require_auth_off_loopback=_boolean("require_auth_off_loopback", data.get("require_auth_off_loopback", False)),
         max_request_body_bytes=_positive_int(
             "max_request_body_bytes", data.get("max_request_body_bytes", 8 * 1024 * 1024)
         ),

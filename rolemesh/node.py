@@ -363,9 +363,14 @@ class Node(MultiService):
             entry = {"ref": device.to_json(), **states[device.name]}
             entry["last_error"] = self.supervisors[device.name].last_error
             devices.append(entry)
+        warnings = []
+        if self.config.listen_host not in ("127.0.0.1", "localhost", "::1") and not self.config.api_keys:
+            warnings.append(f"listening on {self.config.listen_host} without an api_key: anyone who can reach "
+                            "the port can use every model on this node")
         return {
             "node_id": self.config.node_id,
             "backend": self.backend.name,
             "draining": self.draining,
+            "warnings": warnings,
             "devices": devices,
         }

@@ -384,7 +384,7 @@ class ModelTypeTests(ConfigTestCase):
         self.assertEqual(slots({"parallel": False}), 1)
 
     def test_preload(self) -> None:
-        self.assertModelError({"preload": "yes"}, 'models[1].preload: expected a boolean, got "yes"')
+        self.assertModelError({"preload": "yes"}, 'models[1].preload: expected true or false, got "yes"')
 
     def test_model_idle_unload_s(self) -> None:
         self.assertModelError(
