@@ -92,7 +92,7 @@ def run(config: NodeConfig) -> int:
 
     reactor.callWhenRunning(start)
     reactor.addSystemEventTrigger("before", "shutdown", lambda: service.stopService() if service.running else None)
-    reactor.run(installSignalHandlers=True)
+    reactor.run()  # installs SIGTERM/SIGINT handlers; startService refines them
     return 1 if failed else 0
 
 

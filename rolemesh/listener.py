@@ -42,7 +42,8 @@ class _GuardedChannel(HTTPChannel):
         self._read_deadline = None
         log.info("closing a client connection that did not send its request within {seconds:g}s",
                  seconds=self.site.request_read_timeout)
-        self.transport.abortConnection()
+        if self.transport is not None:
+            self.transport.abortConnection()  # type: ignore[attr-defined]
 
     def allContentReceived(self) -> None:
         self._disarm()
@@ -50,10 +51,10 @@ class _GuardedChannel(HTTPChannel):
 
     def requestDone(self, request: Any) -> None:
         super().requestDone(request)
-        if not self._handlingRequest and self.transport is not None and self.transport.connected:
+        if not self._handlingRequest and getattr(self.transport, "connected", False):
             self._arm()  # keep-alive: the next request gets its own deadline
 
-    def connectionLost(self, reason: Any) -> None:
+    def connectionLost(self, reason: Any = None) -> None:
         self._disarm()
         self.site.open_connections -= 1
         super().connectionLost(reason)

@@ -82,7 +82,7 @@ class PidFiles:
 
     def sweep(self) -> List[int]:
         """Kill children left by an earlier run; return the pids killed."""
-        killed = []
+        killed: List[int] = []
         try:
             names = sorted(os.listdir(self.directory))
         except FileNotFoundError:

@@ -273,6 +273,7 @@ def _dispatcher(config: NodeConfig, node: Node, registration: Callable[[], dict]
     def heartbeat() -> dict:
         return heartbeat_payload(config.node_id, next(seq), node.reactor.seconds(), node.device_states())
 
+    assert config.dispatcher_base_url is not None
     return DispatcherClient(
         config.dispatcher_base_url,
         config.dispatcher_token,

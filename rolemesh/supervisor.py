@@ -167,6 +167,8 @@ class _ChildProtocol(ProcessProtocol):
 class DeviceSupervisor(Service):
     """Owns one device's llama-server child: spawn, readiness, switch, stop."""
 
+    name: str  # the device name; never None here
+
     def __init__(
         self,
         device: DeviceRef,
@@ -294,8 +296,9 @@ class DeviceSupervisor(Service):
         """
         if self._closing:
             return defer.fail(errors.ApiError(503, "the node is shutting down", "server_error", "shutting_down", 5))
-        if self.state == READY and self.model == model:
-            return defer.succeed(self.endpoint)
+        endpoint = self.endpoint
+        if endpoint is not None and self.model == model:
+            return defer.succeed(endpoint)
         retry_at = self._retry_at.get(model.model_id, 0.0)
         wait = retry_at - self.reactor.seconds()
         if self.state in (FAILED, STOPPED) and wait > 0:
