@@ -1,0 +1,424 @@
+"""Prometheus metrics for ``GET /metrics``.
+
+:class:`NodeMetrics` keeps its own :class:`~prometheus_client.CollectorRegistry`
+(never the global one) and renders it in the route with
+``generate_latest`` -- no thread pool.  It learns about the agent three ways:
+
+* ``observe(event, **fields)``: the API calls it with ``"request"`` events
+  after every proxied request; the node calls it (it registers itself in
+  ``node.observers``) with ``"queue_full"`` and ``"idle_unload"``.
+* a listener on every :class:`~rolemesh.supervisor.DeviceSupervisor`: after a
+  state change it turns the supervisor's counters (loads, load failures and
+  timeouts, crashes, restarts) into per ``(device, model)`` counts and, when a
+  child becomes ready, observes its load time into a histogram.
+* a custom collector that reads live state at scrape time: scheduler books
+  (in flight, queued), child states, device samples, the dispatcher client.
+
+Labels are bounded: ``model`` is a configured ``model_id`` (anything else,
+including a request for an unknown model, is ``"unknown"``), ``device`` is a
+device name from discovery/config, ``endpoint`` is one of
+:data:`ENDPOINTS` and ``status`` an HTTP status code.  Nothing a client sends
+becomes a label value.  Every callback catches and logs what it raises: a
+metrics bug never breaks a request or a scrape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from twisted.logger import Logger
+
+from rolemesh import __version__
+from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, STOPPING
+
+log = Logger()
+
+#: The proxied endpoints, as the API names them in ``request`` events.
+ENDPOINTS = ("chat/completions", "completions", "embeddings")
+#: Label value for a model (or endpoint, or status) that is not one we know.
+UNKNOWN = "unknown"
+#: Every child state, so ``rolemesh_child_state`` has a stable set of series.
+CHILD_STATES = (STOPPED, STARTING, READY, STOPPING, FAILED)
+#: Dispatcher client states (``rolemesh.dispatcher``), for the same reason.
+DISPATCHER_STATES = ("unregistered", "registered", "unreachable")
+
+#: Whole-request latency: LLM answers range from milliseconds (embeddings) to minutes.
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+#: Time to first byte: includes queueing and any model load.
+TTFB_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+#: Model load (spawn to ready).
+LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+#: Supervisor counters turned into ``(device, model)`` counters:
+#: attribute -> (metric name without ``_total``, help).
+SUPERVISOR_COUNTERS: Dict[str, Tuple[str, str]] = {
+    "loads": ("rolemesh_model_loads", "Model loads that reached ready, by device and model."),
+    "load_failures": (
+        "rolemesh_model_load_failures",
+        "Model loads that failed (llama-server exited while loading), by device and model.",
+    ),
+    "load_timeouts": (
+        "rolemesh_model_load_timeouts",
+        "Model loads that did not become ready within llama_server_startup_timeout_s.",
+    ),
+    "crashes": ("rolemesh_child_crashes", "Ready llama-server children that exited unexpectedly."),
+    "restarts": (
+        "rolemesh_child_restarts",
+        "llama-server children restarted after a crash or a failed health probe.",
+    ),
+}
+
+
+def _number(value: Any) -> Optional[float]:
+    """``value`` as a float if it is a real number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if value == value else None  # NaN -> None
+
+
+class NodeMetrics:
+    """The agent's metrics: observers in, Prometheus text out."""
+
+    def __init__(self, node: Any, root: Any = None) -> None:
+        self.node = node
+        self.root = root
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._models = frozenset(m.model_id for m in node.config.models)
+        self._started = self._now()
+
+        self.requests = Counter(
+            "rolemesh_requests",
+            "Proxied requests by model, endpoint and HTTP status (499: client went away).",
+            ["model", "endpoint", "status"],
+            registry=self.registry,
+        )
+        self.request_duration = Histogram(
+            "rolemesh_request_duration_seconds",
+            "Proxied request latency, arrival to last byte.",
+            ["model", "endpoint"],
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_ttfb = Histogram(
+            "rolemesh_request_ttfb_seconds",
+            "Proxied request time to first byte from llama-server (queueing and model load included).",
+            ["model", "endpoint"],
+            buckets=TTFB_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_full = Counter(
+            "rolemesh_queue_full",
+            "Requests refused with 429 queue_full (max_pending_requests_per_device).",
+            ["model"],
+            registry=self.registry,
+        )
+        self.idle_unloads = Counter(
+            "rolemesh_idle_unloads",
+            "Children stopped after idle_unload_s without requests.",
+            ["device", "model"],
+            registry=self.registry,
+        )
+        self.load_duration = Histogram(
+            "rolemesh_model_load_duration_seconds",
+            "Seconds from spawning llama-server to ready, per load.",
+            ["device", "model"],
+            buckets=LOAD_BUCKETS,
+            registry=self.registry,
+        )
+        for model_id in sorted(self._models):
+            self.queue_full.labels(model=model_id)
+
+        #: (device, model, supervisor attribute) -> count since start.
+        self._supervisor_counts: Dict[Tuple[str, str, str], float] = {}
+        #: device -> supervisor attribute -> the value last seen.
+        self._seen: Dict[str, Dict[str, int]] = {}
+        self._handlers: Dict[str, Callable[..., None]] = {
+            "request": self._on_request,
+            "queue_full": self._on_queue_full,
+            "idle_unload": self._on_idle_unload,
+        }
+
+        self.registry.register(_LiveCollector(self))
+        for supervisor in node.supervisors.values():
+            self._seen[supervisor.name] = {a: int(getattr(supervisor, a, 0) or 0) for a in SUPERVISOR_COUNTERS}
+            supervisor.subscribe(self._supervisor_changed)
+        node.observers.append(self.observe)
+
+    # -- output ------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text exposition format."""
+        return generate_latest(self.registry)
+
+    # -- input -------------------------------------------------------------------
+
+    def observe(self, event: str, **fields: Any) -> None:
+        """An API or node event; unknown events are ignored, errors logged."""
+        try:
+            handler = self._handlers.get(event)
+            if handler is not None:
+                handler(**fields)
+        except Exception:
+            log.failure("metrics: observing {event} failed", event=event)
+
+    def _model(self, model: Any) -> str:
+        return model if isinstance(model, str) and model in self._models else UNKNOWN
+
+    def _device(self, device: Any) -> Optional[str]:
+        return device if isinstance(device, str) and device in self.node.supervisors else None
+
+    @staticmethod
+    def _endpoint(endpoint: Any) -> str:
+        if isinstance(endpoint, str):
+            name = endpoint.strip("/")
+            if name.startswith("v1/"):
+                name = name[3:]
+            if name in ENDPOINTS:
+                return name
+        return UNKNOWN
+
+    @staticmethod
+    def _status(status: Any) -> str:
+        if isinstance(status, int) and not isinstance(status, bool) and 100 <= status <= 599:
+            return str(status)
+        return UNKNOWN
+
+    def _on_request(
+        self,
+        endpoint: Any = None,
+        model: Any = None,
+        status: Any = None,
+        duration: Any = None,
+        ttfb: Any = None,
+        **_: Any,
+    ) -> None:
+        model_label = self._model(model)
+        endpoint_label = self._endpoint(endpoint)
+        self.requests.labels(model=model_label, endpoint=endpoint_label, status=self._status(status)).inc()
+        seconds = _number(duration)
+        if seconds is not None and seconds >= 0:
+            self.request_duration.labels(model=model_label, endpoint=endpoint_label).observe(seconds)
+        first = _number(ttfb)
+        if first is not None and first >= 0:
+            self.request_ttfb.labels(model=model_label, endpoint=endpoint_label).observe(first)
+
+    def _on_queue_full(self, model: Any = None, **_: Any) -> None:
+        self.queue_full.labels(model=self._model(model)).inc()
+
+    def _on_idle_unload(self, device: Any = None, model: Any = None, **_: Any) -> None:
+        name = self._device(device)
+        if name is not None:
+            self.idle_unloads.labels(device=name, model=self._model(model)).inc()
+
+    # -- supervisors ---------------------------------------------------------------
+
+    def _supervisor_changed(self, supervisor: Any) -> None:
+        try:
+            # A new load means the child just became ready (the supervisor
+            # counts it right before the change); read the state through the
+            # counter so a nested state change cannot hide it.
+            if self._sync(supervisor) > 0:
+                seconds = _number(supervisor.last_load_seconds)
+                if seconds is not None and seconds >= 0:
+                    model = self._model(supervisor.model.model_id if supervisor.model is not None else None)
+                    self.load_duration.labels(device=supervisor.name, model=model).observe(seconds)
+        except Exception:
+            log.failure("metrics: supervisor listener failed", device=getattr(supervisor, "name", None))
+
+    def _sync(self, supervisor: Any) -> int:
+        """Credit new supervisor counts to its current model; return new loads."""
+        seen = self._seen.setdefault(supervisor.name, {a: 0 for a in SUPERVISOR_COUNTERS})
+        model = self._model(supervisor.model.model_id if supervisor.model is not None else None)
+        new_loads = 0
+        for attribute in SUPERVISOR_COUNTERS:
+            value = int(getattr(supervisor, attribute, 0) or 0)
+            delta = value - seen.get(attribute, 0)
+            seen[attribute] = value
+            if delta > 0:
+                key = (supervisor.name, model, attribute)
+                self._supervisor_counts[key] = self._supervisor_counts.get(key, 0) + delta
+                if attribute == "loads":
+                    new_loads = delta
+        return new_loads
+
+    def _now(self) -> float:
+        return float(self.node.reactor.seconds())
+
+
+class _LiveCollector(Collector):
+    """Families read from live state at scrape time."""
+
+    def __init__(self, metrics: NodeMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        out: List[Metric] = []
+        for part in (
+            self._node,
+            self._scheduler,
+            self._children,
+            self._supervisor_counters,
+            self._devices,
+            self._dispatcher,
+        ):
+            try:
+                out.extend(part())
+            except Exception:
+                log.failure("metrics: collecting {part} failed", part=part.__name__)
+        return out
+
+    def _node(self) -> Iterator[Metric]:
+        node = self._metrics.node
+        info = GaugeMetricFamily(
+            "rolemesh_node_info", "Constant 1; labels describe the agent.", labels=["node_id", "backend", "version"]
+        )
+        info.add_metric([str(node.config.node_id), str(getattr(node.backend, "name", UNKNOWN)), __version__], 1)
+        yield info
+        yield GaugeMetricFamily(
+            "rolemesh_node_draining", "1 while the agent drains for shutdown.", value=1 if node.draining else 0
+        )
+
+    def _scheduler(self) -> Iterator[Metric]:
+        scheduler = self._metrics.node.scheduler
+        in_flight = GaugeMetricFamily(
+            "rolemesh_device_in_flight", "Requests running on the device now.", labels=["device"]
+        )
+        queued = GaugeMetricFamily(
+            "rolemesh_device_queue_depth", "Requests waiting for the device now.", labels=["device"]
+        )
+        limit = GaugeMetricFamily(
+            "rolemesh_device_pending_limit",
+            "max_pending_requests_per_device: in flight plus queued admitted per device.",
+            labels=["device"],
+        )
+        for name, book in scheduler.devices.items():
+            in_flight.add_metric([name], len(book.running))
+            queued.add_metric([name], len(book.queue))
+            limit.add_metric([name], scheduler.pending_limit)
+        yield in_flight
+        yield queued
+        yield limit
+
+    def _children(self) -> Iterator[Metric]:
+        metrics = self._metrics
+        state = GaugeMetricFamily(
+            "rolemesh_child_state", "1 for the llama-server child's current state.", labels=["device", "state"]
+        )
+        model = GaugeMetricFamily(
+            "rolemesh_child_model",
+            "1 for the model the device's child serves or is loading.",
+            labels=["device", "model"],
+        )
+        for name, supervisor in metrics.node.supervisors.items():
+            for s in CHILD_STATES:
+                state.add_metric([name, s], 1 if supervisor.state == s else 0)
+            current = supervisor.loading_or_loaded
+            for model_id in sorted(metrics._models):
+                model.add_metric([name, model_id], 1 if current == model_id else 0)
+        yield state
+        yield model
+
+    def _supervisor_counters(self) -> Iterator[Metric]:
+        metrics = self._metrics
+        for supervisor in metrics.node.supervisors.values():
+            metrics._sync(supervisor)  # counts that moved without a state change
+        for attribute, (name, help_text) in SUPERVISOR_COUNTERS.items():
+            family = CounterMetricFamily(name, help_text, labels=["device", "model"])
+            models = sorted(metrics._models)
+            extra = sorted({m for (_, m, a) in metrics._supervisor_counts if a == attribute} - metrics._models)
+            for device in metrics.node.supervisors:
+                for model_id in models + extra:
+                    family.add_metric(
+                        [device, model_id], metrics._supervisor_counts.get((device, model_id, attribute), 0)
+                    )
+            yield family
+
+    def _devices(self) -> Iterator[Metric]:
+        node = self._metrics.node
+        now = self._metrics._now()
+        g = {
+            "total": GaugeMetricFamily("rolemesh_device_memory_total_bytes", "Device memory size.", labels=["device"]),
+            "used": GaugeMetricFamily("rolemesh_device_memory_used_bytes", "Device memory in use.", labels=["device"]),
+            "free": GaugeMetricFamily("rolemesh_device_memory_free_bytes", "Device memory free.", labels=["device"]),
+            "util": GaugeMetricFamily(
+                "rolemesh_device_utilization_ratio", "Device utilization, 0 to 1.", labels=["device"]
+            ),
+            "temp": GaugeMetricFamily("rolemesh_device_temperature_celsius", "Device temperature.", labels=["device"]),
+            "power": GaugeMetricFamily("rolemesh_device_power_watts", "Device power draw.", labels=["device"]),
+            "age": GaugeMetricFamily(
+                "rolemesh_device_metrics_sample_age_seconds",
+                "Seconds since the device's metrics were last measured.",
+                labels=["device"],
+            ),
+            "stale": GaugeMetricFamily(
+                "rolemesh_device_metrics_stale",
+                "1 when the latest device sample failed (figures are the last good ones) or there is no sample yet.",
+                labels=["device"],
+            ),
+        }
+        for ref in node.devices:
+            name = ref.name
+            sample = node.metrics.get(name)
+            total = _number(sample.memory_total_bytes) if sample is not None else None
+            if total is None:
+                total = _number(ref.memory_total_bytes)
+            if total is not None:
+                g["total"].add_metric([name], total)
+            if sample is None:
+                g["stale"].add_metric([name], 1)
+                continue
+            for key, value in (
+                ("used", sample.memory_used_bytes),
+                ("free", sample.memory_free_bytes),
+                ("temp", sample.temperature_c),
+                ("power", sample.power_w),
+            ):
+                number = _number(value)
+                if number is not None:
+                    g[key].add_metric([name], number)
+            util = _number(sample.utilization_pct)
+            if util is not None:
+                g["util"].add_metric([name], util / 100.0)
+            sampled_at = _number(sample.sampled_at)
+            if sampled_at is not None:
+                g["age"].add_metric([name], max(0.0, now - sampled_at))
+            g["stale"].add_metric([name], 1 if sample.stale else 0)
+        yield from g.values()
+
+    def _dispatcher(self) -> Iterator[Metric]:
+        client = getattr(self._metrics.root, "dispatcher", None)
+        if client is None:
+            return
+        beats = CounterMetricFamily(
+            "rolemesh_dispatcher_heartbeats", "Heartbeats sent, by outcome.", labels=["outcome"]
+        )
+        beats.add_metric(["success"], getattr(client, "heartbeats_ok", 0) or 0)
+        beats.add_metric(["failure"], getattr(client, "heartbeats_failed", 0) or 0)
+        yield beats
+        regs = CounterMetricFamily(
+            "rolemesh_dispatcher_registrations", "Registrations sent, by outcome.", labels=["outcome"]
+        )
+        regs.add_metric(["success"], getattr(client, "registrations_ok", 0) or 0)
+        regs.add_metric(["failure"], getattr(client, "registrations_failed", 0) or 0)
+        yield regs
+        last = _number(getattr(client, "last_success", None))
+        since = self._metrics._now() - (last if last is not None else self._metrics._started)
+        yield GaugeMetricFamily(
+            "rolemesh_dispatcher_seconds_since_last_success",
+            "Seconds since the dispatcher last answered OK (since agent start if it never has).",
+            value=max(0.0, since),
+        )
+        state = GaugeMetricFamily(
+            "rolemesh_dispatcher_state", "1 for the dispatcher client's current state.", labels=["state"]
+        )
+        current = getattr(client, "state", None)
+        for s in DISPATCHER_STATES:
+            state.add_metric([s], 1 if current == s else 0)
+        yield state
