@@ -10,13 +10,50 @@ stream) is not limited here.
 
 from __future__ import annotations
 
+import io
 from typing import Any, Optional
 
 from twisted.logger import Logger
 from twisted.web.http import HTTPChannel
-from twisted.web.server import Site
+from twisted.web.server import Request, Site
 
 log = Logger()
+
+
+class LimitedRequest(Request):
+    """A request that keeps at most ``site.max_body_bytes`` of its body.
+
+    A body declared or found to be larger is not stored at all (neither in
+    memory nor in a temporary file); ``body_too_large`` tells the route to
+    answer 413.
+    """
+
+    body_too_large = False
+    _body_bytes = 0
+
+    def _limit(self) -> Optional[int]:
+        return getattr(getattr(self.channel, "site", None), "max_body_bytes", None)
+
+    def _discard(self) -> None:
+        self.body_too_large = True
+        self.content = io.BytesIO()
+
+    def gotLength(self, length: Optional[int]) -> None:
+        limit = self._limit()
+        if limit is not None and length is not None and length > limit:
+            self._discard()
+            return
+        super().gotLength(length)
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self.body_too_large:
+            return
+        self._body_bytes += len(data)
+        limit = self._limit()
+        if limit is not None and self._body_bytes > limit:
+            self._discard()
+            return
+        super().handleContentChunk(data)
 
 
 class _GuardedChannel(HTTPChannel):
@@ -61,7 +98,8 @@ class _GuardedChannel(HTTPChannel):
 
 
 class GuardedSite(Site):
-    """A Site with a per-request read deadline and a connection cap."""
+    """A Site with a per-request read deadline, a body size limit and a
+    connection cap."""
 
     protocol = _GuardedChannel  # type: ignore[assignment]
 
@@ -73,8 +111,10 @@ class GuardedSite(Site):
         idle_timeout: float = 60.0,
         request_read_timeout: Optional[float] = 30.0,
         max_connections: int = 1024,
+        max_body_bytes: Optional[int] = None,
     ) -> None:
-        super().__init__(resource, timeout=idle_timeout, reactor=reactor)
+        super().__init__(resource, requestFactory=LimitedRequest, timeout=idle_timeout, reactor=reactor)
+        self.max_body_bytes = max_body_bytes
         self.request_read_timeout = request_read_timeout
         self.max_connections = max_connections
         self.open_connections = 0

@@ -252,6 +252,7 @@ def make_service(
         idle_timeout=config.idle_timeout_s,
         request_read_timeout=config.request_read_timeout_s,
         max_connections=config.max_connections,
+        max_body_bytes=config.max_request_body_bytes,
     )
     listener = internet.TCPServer(config.listen_port, site, interface=config.listen_host, reactor=reactor)
     listener.setServiceParent(root)

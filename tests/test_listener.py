@@ -16,12 +16,18 @@ class Hello(Resource):
     def render_GET(self, request):
         return b"hello"
 
+    def render_POST(self, request):
+        if request.body_too_large:
+            request.setResponseCode(413)
+            return b"too large"
+        return b"got %d" % len(request.content.read())
+
 
 class ListenerTests(SynchronousTestCase):
     def setUp(self):
         self.reactor = MemoryReactorClock()
         self.site = GuardedSite(Hello(), reactor=self.reactor, idle_timeout=60, request_read_timeout=5,
-                                max_connections=2)
+                                max_connections=2, max_body_bytes=10)
 
     def connect(self):
         channel = self.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 5000))
@@ -61,3 +67,23 @@ class ListenerTests(SynchronousTestCase):
 
     def test_no_access_log_line(self):
         self.assertIsNone(self.site.log(object()))
+
+    def post(self, body, chunked=False):
+        channel, transport = self.connect()
+        if chunked:
+            data = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 4]), body[i:i + 4]) for i in range(0, len(body), 4))
+            channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                 + data + b"0\r\n\r\n")
+        else:
+            channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        return transport.value()
+
+    def test_body_within_limit_is_kept(self):
+        self.assertIn(b"got 10", self.post(b"x" * 10))
+
+    def test_declared_large_body_is_not_stored(self):
+        self.assertIn(b"413", self.post(b"x" * 11))
+
+    def test_chunked_large_body_is_not_stored(self):
+        self.assertIn(b"413", self.post(b"x" * 40, chunked=True))
+        self.assertIn(b"got 8", self.post(b"x" * 8, chunked=True))
