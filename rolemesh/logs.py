@@ -5,6 +5,7 @@ duration -- become JSON keys)."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import IO, Any, Dict
 
 from twisted.logger import (
@@ -68,4 +69,10 @@ def make_observer(log_format: str, stream: IO[str], level: LogLevel = LogLevel.i
     return FilteringLogObserver(inner, [LogLevelFilterPredicate(defaultLogLevel=level)])
 
 
-__all__ = ["make_observer", "event_as_json", "JSONLinesObserver", "formatEventAsClassicLogText"]
+def json_logger() -> ILogObserver:
+    """For ``twistd --logger rolemesh.logs.json_logger`` (set by the plugin
+    when ``--log-format json`` is given)."""
+    return make_observer("json", sys.stdout)
+
+
+__all__ = ["json_logger", "make_observer", "event_as_json", "JSONLinesObserver", "formatEventAsClassicLogText"]

@@ -398,6 +398,8 @@ class DeviceSupervisor(Service):
             )
         except Exception as e:  # e.g. the interpreter vanished: fail, don't wedge
             self._transport = None
+            self._record_failure()
+            self.load_failures += 1
             self._load_failed(errors.model_load_failed(f"cannot start llama-server on {self.name}: {e}"))
             return
         self.pid = self._transport.pid

@@ -28,12 +28,17 @@ class Options(usage.Options):
         except ConfigError as e:
             sys.stderr.write(f"{PROG}: {e}\n")
             raise SystemExit(2)
-        if self["log-format"] in ("text", "json"):
+        if self["log-format"] not in (None, "text", "json"):
+            raise usage.UsageError("--log-format must be text or json")
+        log_format = self["log-format"] or self.config.log_format
+        if log_format != self.config.log_format:
             import attr
 
-            self.config = attr.evolve(self.config, log_format=self["log-format"])
-        elif self["log-format"] is not None:
-            raise usage.UsageError("--log-format must be text or json")
+            self.config = attr.evolve(self.config, log_format=log_format)
+        # twistd owns logging: hand it our JSON observer unless --logger was given.
+        parent = getattr(self, "parent", None)
+        if log_format == "json" and parent is not None and parent.get("logger") is None:
+            parent["logger"] = "rolemesh.logs.json_logger"
 
 
 def makeService(options: Options):  # noqa: N802 - twistd's name
