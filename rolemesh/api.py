@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 from klein import Klein
 from twisted.internet import defer
 from twisted.logger import Logger
+from twisted.web.resource import Resource
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from rolemesh import errors
@@ -71,6 +72,8 @@ def parse_body(body: bytes, limit: int) -> Dict[str, Any]:
         payload = json.loads(text)
     except ValueError as e:
         raise _bad_request(f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # "[[[[..." nested past the parser's depth limit
+        raise _bad_request("request body is not valid JSON: nested too deeply") from None
     if not isinstance(payload, dict):
         raise _bad_request("request body must be a JSON object")
     model = payload.get("model")
@@ -81,6 +84,28 @@ def parse_body(body: bytes, limit: int) -> Dict[str, Any]:
     if len(model) > MAX_MODEL_NAME:
         raise _bad_request(f'"model" is longer than {MAX_MODEL_NAME} characters', "invalid_model")
     return payload
+
+
+class _Utf8Guard(Resource):
+    """Answers a URL path or Host header that is not UTF-8 with a JSON 400.
+
+    Klein answers those itself in plain text, and logs each as an error.
+    """
+
+    isLeaf = True
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def render(self, request: Any) -> Any:
+        try:
+            b"/".join(request.prepath + request.postpath).decode("utf-8")
+            request.getRequestHostname().decode("utf-8")
+        except UnicodeDecodeError:
+            return _error(request, errors.ApiError(400, "the URL path or Host header is not valid UTF-8",
+                                                   "invalid_request_error", "invalid_url"))
+        return self._inner.render(request)
 
 
 class NodeAPI:
@@ -107,20 +132,20 @@ class NodeAPI:
         self.observers = list(observers)
 
     def resource(self) -> Any:
-        return self.app.resource()
+        return _Utf8Guard(self.app.resource())
 
     # -- cross-cutting ----------------------------------------------------------
 
     def _authorize(self, request: Any) -> None:
         if not self._keys:
             return
-        header = request.getHeader(b"authorization") or ""
-        scheme, _, token = header.partition(" ")
-        presented = token.strip().encode("utf-8", "replace")
+        header = request.getHeader(b"authorization") or b""  # bytes: the raw header value
+        scheme, _, token = header.partition(b" ")
+        presented = token.strip()
         ok = False
         for key in self._keys:  # compare with every key: time does not leak which
             ok |= hmac.compare_digest(presented, key)
-        if scheme.lower() != "bearer" or not ok:
+        if scheme.lower() != b"bearer" or not ok:
             raise errors.ApiError(
                 401, "missing or invalid API key (send Authorization: Bearer <key>)",
                 "invalid_request_error", "invalid_api_key",
@@ -147,6 +172,9 @@ class NodeAPI:
     @app.handle_errors(HTTPException)
     def _http_exception(self, request: Any, failure: Any) -> bytes:
         e = failure.value
+        new_url = getattr(e, "new_url", None)  # werkzeug's RequestRedirect (e.g. "//" merged): say where to
+        if new_url:
+            request.setHeader(b"location", new_url.encode("utf-8"))
         return _error(request, errors.ApiError(e.code or 400, e.description or e.name, "invalid_request_error"))
 
     @app.handle_errors(Exception)
@@ -235,8 +263,8 @@ class NodeAPI:
         return self._proxy(request, "embeddings", "/v1/embeddings")
 
     def _request_id(self, request: Any) -> str:
-        given = request.getHeader(b"x-request-id")
-        rid = given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
+        given = (request.getHeader(b"x-request-id") or b"").decode("latin-1")  # bytes: the raw header value
+        rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         request.setHeader(b"x-request-id", rid.encode("ascii"))
         return rid
 

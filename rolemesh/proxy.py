@@ -257,7 +257,9 @@ class Proxy:
                         "upstream_timeout",
                     )
                 )
-            elif failure.check(defer.CancelledError):
+            elif failure.check(defer.CancelledError) or state["cancelled"]:
+                # Agent fails a cancelled request with ResponseNeverReceived
+                # ([CancelledError]), not CancelledError: still the client's doing.
                 result.callback(CLIENT_GONE)
             else:
                 result.errback(errors.upstream_error(f"llama-server failed the request: {_describe(failure)}"))

@@ -144,7 +144,9 @@ class Scheduler:
     def model_loaded(self, device: str, model_id: str, slots: int = 1) -> None:
         """The device's child has (or is loading) ``model_id``."""
         book = self.devices[device]
-        if book.model != model_id and not book.running:
+        # Requests in flight for another model keep the book's model; ones for
+        # this model do not (a reload under them after an unload or a crash).
+        if book.model != model_id and all(t.model_id == model_id for t in book.running):
             book.model, book.slots = model_id, max(1, slots)
             self._pump(book)
 
