@@ -1,0 +1,737 @@
+"""Unit tests of the node: real DeviceSupervisors on a recording reactor, a
+fake readiness probe and a fake device backend; no real time, no processes."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+from typing import Any, Dict, List, Optional, Sequence
+
+from twisted.internet import defer
+from twisted.trial.unittest import SynchronousTestCase
+
+from rolemesh import errors
+from rolemesh.node import METRICS_TIMEOUT_S, Lease, Node
+from rolemesh.scheduler import CANCELLED, DONE, QUEUED, RUNNING
+from rolemesh.supervisor import READY, STARTING, STOPPED, STOPPING, DeviceSupervisor
+from tests.fakes import FakeBackend, FakeProbe, FakeProcess, GroupSignals, ProcessReactor, make_config
+
+#: a: served as "alpha"; b: no alias; e: an embedder served as "emb".
+MODELS: List[Dict[str, Any]] = [
+    {"model_id": "a", "alias": "alpha", "roles": ["chat"]},
+    {"model_id": "b", "roles": ["chat", "summarize"]},
+    {"model_id": "e", "alias": "emb", "roles": ["embed"]},
+]
+
+
+class NodeHarness:
+    """A Node over real supervisors, fake children and a Clock."""
+
+    def __init__(self, models: Optional[Sequence[Dict[str, Any]]] = None, devices: int = 1, **top: Any) -> None:
+        top.setdefault("llama_server_startup_timeout_s", 10.0)
+        top.setdefault("llama_server_probe_interval_s", 0.5)
+        top.setdefault("llama_server_stop_timeout_s", 5.0)
+        self.config = make_config(MODELS if models is None else models, **top)
+        self.reactor = ProcessReactor()
+        self.probe = FakeProbe()
+        self.signals = GroupSignals(self.reactor)
+        self.backend = FakeBackend(count=devices)
+        ports = itertools.count(20000)
+        self.supervisors = [
+            DeviceSupervisor(
+                ref,
+                self.backend,
+                self.config,
+                "/opt/llama/llama-server",
+                reactor=self.reactor,
+                probe=self.probe,
+                pick_port=lambda: next(ports),
+                signal_group=self.signals,
+                environ={"PATH": "/usr/bin"},
+            )
+            for ref in self.backend.refs
+        ]
+        self.node = Node(self.config, self.backend, self.backend.refs, self.supervisors, reactor=self.reactor)
+        self.events: List[Any] = []
+        self.node.observers.append(lambda event, **fields: self.events.append((event, fields)))
+
+    def model(self, model_id: str) -> Any:
+        return self.config.model(model_id)
+
+    def sup(self, device: str = "gpu:0") -> DeviceSupervisor:
+        return self.node.supervisors[device]
+
+    def book(self, device: str = "gpu:0") -> Any:
+        return self.node.scheduler.devices[device]
+
+    def answer(self, *served_names: str) -> None:
+        """Children serving these names pass the probe from now on; one probe tick."""
+        self.probe.ready |= set(served_names)
+        self.reactor.advance(self.config.llama_server_probe_interval_s)
+
+    def child(self, device: str = "gpu:0") -> FakeProcess:
+        """The live fake child of ``device``."""
+        index = self.node.supervisors[device].device.index
+        live = [p for p in self.reactor.processes
+                if not p.ended and p.env.get("FAKE_VISIBLE_DEVICES") == str(index)]
+        assert len(live) == 1, live
+        return live[0]
+
+    def reap(self, device: str = "gpu:0") -> None:
+        """The child of ``device`` got its signal and exits."""
+        self.child(device).exit(0)
+
+    def load(self, model_id: str, device: Optional[str] = None) -> str:
+        """Load ``model_id`` (through the node, as a request would) and leave it idle."""
+        d = self.node.acquire(self.model(model_id), device=device)
+        self.answer(self.model(model_id).served_name)
+        results: List[Any] = []
+        d.addBoth(results.append)
+        assert results and isinstance(results[0], Lease), results
+        results[0].release()
+        return results[0].device
+
+    def idle(self) -> bool:
+        return all(book.pending == 0 for book in self.node.scheduler.devices.values())
+
+
+class AcquireTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.h = NodeHarness()
+
+    def test_acquire_ensures_the_model_then_leases_the_device(self) -> None:
+        h = self.h
+        d = h.node.acquire(h.model("a"))
+        self.assertNoResult(d)
+        self.assertEqual(h.sup().state, STARTING)
+        self.assertEqual(len(h.reactor.processes), 1)
+        self.assertEqual(len(h.book().running), 1)
+        h.answer("alpha")
+        lease = self.successResultOf(d)
+        self.assertEqual(lease.device, "gpu:0")
+        self.assertEqual(lease.endpoint.model_id, "a")
+        self.assertEqual(lease.endpoint.base_url, "http://127.0.0.1:20000")
+        self.assertEqual(lease.endpoint.pid, h.child().pid)
+        self.assertEqual(lease.ticket.state, RUNNING)
+        self.assertIs(lease.supervisor, h.sup())
+
+    def test_release_frees_the_slot_once(self) -> None:
+        h = self.h
+        d = h.node.acquire(h.model("a"))
+        h.answer("alpha")
+        lease = self.successResultOf(d)
+        self.assertEqual(h.book().pending, 1)
+        lease.release()
+        self.assertEqual(h.book().pending, 0)
+        self.assertEqual(lease.ticket.state, DONE)
+        self.assertTrue(lease.released)
+        lease.release()  # idempotent
+        self.assertEqual(h.book().pending, 0)
+
+    def test_release_starts_the_next_queued_request(self) -> None:
+        h = self.h
+        first = h.node.acquire(h.model("a"))
+        second = h.node.acquire(h.model("a"))
+        h.answer("alpha")
+        lease = self.successResultOf(first)
+        self.assertNoResult(second)
+        self.assertEqual(len(h.book().queue), 1)
+        lease.release()
+        second_lease = self.successResultOf(second)
+        self.assertEqual(second_lease.endpoint, lease.endpoint, "same child, no reload")
+        self.assertEqual(len(h.reactor.processes), 1)
+
+    def test_a_ready_model_is_leased_at_once(self) -> None:
+        h = self.h
+        h.load("a")
+        lease = self.successResultOf(h.node.acquire(h.model("a")))
+        self.assertEqual(lease.device, "gpu:0")
+        self.assertEqual(len(h.reactor.processes), 1)
+
+    def test_queue_full_is_429_with_retry_after(self) -> None:
+        h = self.h  # max_pending_requests_per_device defaults to 2
+        pending = [h.node.acquire(h.model("a")) for _ in range(2)]
+        failure = self.failureResultOf(h.node.acquire(h.model("a")), errors.ApiError)
+        error = failure.value
+        self.assertEqual((error.status, error.code, error.type), (429, "queue_full", "rate_limit_error"))
+        self.assertIsNotNone(error.retry_after)
+        self.assertGreaterEqual(error.retry_after, 1)
+        self.assertEqual(h.book().pending, 2, "the rejected request took no slot")
+        self.assertIn(("queue_full", {"model": "a"}), h.events)
+        for d in pending:
+            self.assertNoResult(d)
+
+    def test_queue_full_for_a_pinned_device(self) -> None:
+        h = self.h
+        for _ in range(2):
+            h.node.acquire(h.model("a"), device="gpu:0")
+        failure = self.failureResultOf(h.node.acquire(h.model("b"), device="gpu:0"), errors.ApiError)
+        self.assertEqual(failure.value.status, 429)
+        self.assertIn("gpu:0", failure.value.message)
+
+    def test_cancel_while_queued_leaves_the_queue(self) -> None:
+        h = self.h
+        first = h.node.acquire(h.model("a"))
+        second = h.node.acquire(h.model("a"))
+        ticket = h.book().queue[0]
+        second.cancel()
+        self.failureResultOf(second, defer.CancelledError)
+        self.assertEqual(ticket.state, CANCELLED)
+        self.assertEqual(len(h.book().queue), 0)
+        self.assertEqual(h.book().pending, 1)
+        # The freed slot is usable at once: two more fit again only after it.
+        third = h.node.acquire(h.model("a"))
+        self.assertNoResult(third)
+        h.answer("alpha")
+        self.successResultOf(first).release()
+        self.successResultOf(third)
+
+    def test_cancel_while_loading_frees_the_slot_and_keeps_the_load(self) -> None:
+        h = self.h
+        first = h.node.acquire(h.model("a"))
+        second = h.node.acquire(h.model("a"))
+        first.cancel()
+        self.failureResultOf(first, defer.CancelledError)
+        self.assertEqual(h.sup().state, STARTING, "the shared load goes on")
+        # The queued request moved up and shares the same load.
+        self.assertEqual(len(h.book().running), 1)
+        self.assertEqual(len(h.book().queue), 0)
+        h.answer("alpha")
+        self.successResultOf(second).release()
+        self.assertTrue(h.idle())
+        self.assertEqual(len(h.reactor.processes), 1)
+
+    def test_cancel_while_loading_alone_leaves_books_empty(self) -> None:
+        h = self.h
+        d = h.node.acquire(h.model("a"))
+        d.cancel()
+        self.failureResultOf(d, defer.CancelledError)
+        self.assertTrue(h.idle())
+        h.answer("alpha")
+        self.assertEqual(h.sup().state, READY)
+        self.successResultOf(h.node.acquire(h.model("a")))
+
+    def test_load_failure_fails_the_request_and_frees_the_device(self) -> None:
+        h = self.h
+        d = h.node.acquire(h.model("a"))
+        queued = h.node.acquire(h.model("a"))
+        h.child().output("error loading model\n")
+        h.child().exit(1)
+        failure = self.failureResultOf(d, errors.ApiError)
+        self.assertEqual((failure.value.status, failure.value.code), (503, "model_load_failed"))
+        # The queued request gets its own attempt (first failure: retried at once).
+        self.assertNoResult(queued)
+        self.assertEqual(len(h.reactor.processes), 2)
+        h.answer("alpha")
+        self.successResultOf(queued).release()
+        self.assertTrue(h.idle())
+
+    def test_switch_waits_for_in_flight_request(self) -> None:
+        h = self.h
+        first = h.node.acquire(h.model("a"))
+        h.answer("alpha")
+        lease = self.successResultOf(first)
+        other = h.node.acquire(h.model("b"))
+        self.assertNoResult(other)
+        self.assertEqual(h.sup().state, READY, "no switch under a request in flight")
+        self.assertEqual(h.signals.calls, [])
+        lease.release()
+        self.assertEqual(h.sup().state, STOPPING)
+        h.reap()
+        h.answer("b")
+        self.assertEqual(self.successResultOf(other).endpoint.model_id, "b")
+
+    def test_draining_node_refuses_acquire(self) -> None:
+        h = self.h
+        h.node.drain(1.0)
+        failure = self.failureResultOf(h.node.acquire(h.model("a")), errors.ApiError)
+        self.assertEqual((failure.value.status, failure.value.code), (503, "shutting_down"))
+        self.assertTrue(h.idle())
+
+
+class ResolveTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.h = NodeHarness()
+
+    def test_by_model_id_and_alias(self) -> None:
+        node = self.h.node
+        self.assertEqual(node.resolve("a").model_id, "a")
+        self.assertEqual(node.resolve("alpha").model_id, "a")
+        self.assertEqual(node.resolve("emb").model_id, "e")
+        self.assertEqual(node.resolve("b").model_id, "b")
+
+    def test_role_resolves_to_first_serving_model(self) -> None:
+        self.assertEqual(self.h.node.resolve("chat").model_id, "a")
+        self.assertEqual(self.h.node.resolve("summarize").model_id, "b")
+        self.assertEqual(self.h.node.resolve("embed").model_id, "e")
+
+    def test_role_prefers_a_loaded_model(self) -> None:
+        h = self.h
+        h.load("b")
+        self.assertEqual(h.node.resolve("chat").model_id, "b")
+
+    def test_role_prefers_a_loading_model(self) -> None:
+        h = self.h
+        h.node.acquire(h.model("b"))
+        self.assertEqual(h.sup().state, STARTING)
+        self.assertEqual(h.node.resolve("chat").model_id, "b")
+
+    def test_role_falls_back_after_unload(self) -> None:
+        h = self.h
+        h.load("b")
+        h.sup().stop()
+        h.reap()
+        self.assertEqual(h.node.resolve("chat").model_id, "a")
+
+    def test_unknown_is_404(self) -> None:
+        for name in ("nope", "ALPHA", "a ", "", "/models/a.gguf"):
+            with self.assertRaises(errors.ApiError) as caught:
+                self.h.node.resolve(name)
+            self.assertEqual((caught.exception.status, caught.exception.code), (404, "model_not_found"))
+
+    def test_model_id_wins_over_a_role_of_the_same_name(self) -> None:
+        h = NodeHarness([{"model_id": "chat", "roles": ["x"]}, {"model_id": "z", "roles": ["chat"]}])
+        h.load("z")
+        self.assertEqual(h.node.resolve("chat").model_id, "chat")
+
+
+class SupervisorListenerTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.h = NodeHarness()
+
+    def test_loading_and_ready_are_booked(self) -> None:
+        h = self.h
+        h.node.acquire(h.model("a"))
+        self.assertEqual(h.book().model, "a")
+        self.assertEqual(h.node.loaded_on("a"), ["gpu:0"])
+
+    def test_crash_unloads_the_model_in_the_books(self) -> None:
+        h = self.h
+        h.load("a")
+        self.assertEqual(h.book().model, "a")
+        h.child().exit(signal=signal.SIGSEGV)
+        self.assertEqual(h.sup().state, STOPPED)
+        self.assertIsNone(h.book().model)
+        self.assertEqual(h.node.loaded_on("a"), [])
+        self.assertIn(("child_state", {"device": "gpu:0", "state": STOPPED, "model": "a"}), h.events)
+        # The next request starts it again.
+        d = h.node.acquire(h.model("a"))
+        self.assertEqual(len(h.reactor.processes), 2)
+        h.answer("alpha")
+        self.successResultOf(d)
+
+    def test_crash_under_a_request_lets_the_queue_move_on(self) -> None:
+        h = self.h
+        first = h.node.acquire(h.model("a"))
+        h.answer("alpha")
+        lease = self.successResultOf(first)
+        queued = h.node.acquire(h.model("a"))
+        h.child().exit(signal=signal.SIGKILL)
+        self.assertIsNone(h.book().model)
+        self.assertNoResult(queued)
+        lease.release()  # the proxy saw a 502 and released
+        self.assertEqual(h.sup().state, STARTING)
+        h.answer("alpha")
+        self.successResultOf(queued).release()
+        self.assertTrue(h.idle())
+
+
+class IdleUnloadTests(SynchronousTestCase):
+    def started(self, **top: Any) -> NodeHarness:
+        h = NodeHarness(**top)
+        h.node.startService()
+        self.addCleanup(lambda: h.node.running and h.node.stopService())
+        return h
+
+    def test_unloads_after_idle_unload_s(self) -> None:
+        h = self.started(idle_unload_s=60)
+        h.load("a")
+        h.reactor.advance(59)
+        self.assertEqual(h.sup().state, READY)
+        self.assertEqual(h.signals.calls, [])
+        h.reactor.advance(1)
+        self.assertEqual(h.sup().state, STOPPING)
+        self.assertEqual(h.signals.calls, [(h.child().pid, signal.SIGTERM)])
+        h.reap()
+        self.assertEqual(h.sup().state, STOPPED)
+        self.assertIsNone(h.book().model)
+        self.assertIn(("idle_unload", {"device": "gpu:0", "model": "a"}), h.events)
+
+    def test_a_request_after_unload_starts_it_again(self) -> None:
+        h = self.started(idle_unload_s=60)
+        h.load("a")
+        h.reactor.advance(60)
+        h.reap()
+        d = h.node.acquire(h.model("a"))
+        self.assertEqual(h.sup().state, STARTING)
+        self.assertEqual(len(h.reactor.processes), 2)
+        h.answer("alpha")
+        self.successResultOf(d)
+
+    def test_a_request_restarts_the_countdown(self) -> None:
+        h = self.started(idle_unload_s=60)
+        h.load("a")
+        h.reactor.advance(30)
+        lease = self.successResultOf(h.node.acquire(h.model("a")))
+        h.reactor.advance(100)
+        self.assertEqual(h.sup().state, READY, "never unloaded under a request")
+        lease.release()
+        h.reactor.advance(59)
+        self.assertEqual(h.sup().state, READY)
+        h.reactor.advance(1)
+        self.assertEqual(h.sup().state, STOPPING)
+
+    def test_model_level_override(self) -> None:
+        models = [dict(MODELS[0], idle_unload_s=10), MODELS[1]]
+        h = self.started(models=models, idle_unload_s=60)
+        h.load("a")
+        h.reactor.advance(10)
+        self.assertEqual(h.sup().state, STOPPING)
+
+    def test_model_level_override_without_node_default(self) -> None:
+        models = [dict(MODELS[0], idle_unload_s=10), MODELS[1]]
+        h = self.started(models=models)
+        h.load("a")
+        h.reactor.advance(10)
+        self.assertEqual(h.sup().state, STOPPING)
+        h.reap()
+        h.load("b")
+        h.reactor.advance(100000)
+        self.assertEqual(h.sup().state, READY, "b has no idle_unload_s")
+
+    def test_null_keeps_the_model_forever(self) -> None:
+        models = [dict(MODELS[0], idle_unload_s=None), MODELS[1]]
+        h = self.started(models=models, idle_unload_s=60)
+        h.load("a")
+        h.reactor.advance(100000)
+        self.assertEqual(h.sup().state, READY)
+        self.assertEqual(h.signals.calls, [])
+
+    def test_unset_keeps_the_model_forever(self) -> None:
+        h = self.started()
+        h.load("a")
+        h.reactor.advance(100000)
+        self.assertEqual(h.sup().state, READY)
+
+    def test_stop_service_cancels_idle_timers(self) -> None:
+        h = self.started(idle_unload_s=60)
+        h.load("a")
+        d = h.node.stopService()
+        h.reap()
+        self.successResultOf(d)
+        self.assertEqual([c for c in h.reactor.getDelayedCalls() if c.active()], [])
+
+
+class DrainTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.h = NodeHarness()
+
+    def test_idle_node_drains_at_once(self) -> None:
+        self.successResultOf(self.h.node.drain(30))
+        self.assertTrue(self.h.node.draining)
+
+    def test_drain_fires_when_in_flight_requests_finish(self) -> None:
+        h = self.h
+        d1 = h.node.acquire(h.model("a"))
+        d2 = h.node.acquire(h.model("a"))
+        h.answer("alpha")
+        lease = self.successResultOf(d1)
+        drained = h.node.drain(30)
+        self.assertNoResult(drained)
+        lease.release()
+        self.assertNoResult(drained)  # a queued request is still pending
+        self.successResultOf(d2).release()
+        self.successResultOf(drained)
+        self.assertEqual([c for c in h.reactor.getDelayedCalls() if c.active()
+                          and c.func == h.node._drain_timeout], [])
+
+    def test_drain_gives_up_after_the_grace(self) -> None:
+        h = self.h
+        d = h.node.acquire(h.model("a"))
+        h.answer("alpha")
+        lease = self.successResultOf(d)
+        drained = h.node.drain(30)
+        h.reactor.advance(29.9)
+        self.assertNoResult(drained)
+        h.reactor.advance(0.1)
+        self.successResultOf(drained)
+        lease.release()  # a late release is harmless
+
+
+class PreloadTests(SynchronousTestCase):
+    def test_preload_at_start(self) -> None:
+        models = [dict(MODELS[0], preload=True), MODELS[1]]
+        h = NodeHarness(models=models)
+        h.node.startService()
+        self.addCleanup(h.node.stopService)
+        self.assertEqual(h.sup().state, STARTING)
+        self.assertEqual(h.sup().model.model_id, "a")
+        h.answer("alpha")
+        self.assertEqual(h.sup().state, READY)
+        self.assertTrue(h.idle(), "the preload holds no slot once loaded")
+
+    def test_top_level_preload_on_a_device(self) -> None:
+        h = NodeHarness(devices=2, preload=[{"model": "b", "device": "gpu:1"}, "a"])
+        h.node.startService()
+        self.addCleanup(h.node.stopService)
+        h.answer("alpha", "b")
+        self.assertEqual((h.sup("gpu:0").state, h.sup("gpu:0").model.model_id), (READY, "a"))
+        self.assertEqual((h.sup("gpu:1").state, h.sup("gpu:1").model.model_id), (READY, "b"))
+        self.assertTrue(h.idle())
+
+    def test_no_preload_no_child(self) -> None:
+        h = NodeHarness()
+        h.node.startService()
+        self.addCleanup(h.node.stopService)
+        self.assertEqual(h.reactor.processes, [])
+
+    def test_preload_failure_is_logged_not_raised(self) -> None:
+        h = NodeHarness()
+        d = h.node.preload(h.model("a"))
+        h.child().exit(1)
+        self.assertIsNone(self.successResultOf(d))
+        self.assertTrue(h.idle())
+
+    def test_preload_on_a_given_device(self) -> None:
+        h = NodeHarness(devices=2)
+        d = h.node.preload(h.model("a"), device="gpu:1")
+        h.answer("alpha")
+        self.assertEqual(self.successResultOf(d), "gpu:1")
+        self.assertEqual(h.sup("gpu:1").state, READY)
+        self.assertEqual(h.sup("gpu:0").state, STOPPED)
+
+
+class MetricsTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.h = NodeHarness()
+
+    def test_sample_records_figures_and_free_memory(self) -> None:
+        h = self.h
+        self.successResultOf(h.node.sample_metrics())
+        sample = h.node.metrics["gpu:0"]
+        self.assertFalse(sample.stale)
+        self.assertEqual(sample.memory_free_bytes, 8 << 30)
+        self.assertEqual(h.book().free_memory, 8 << 30)
+
+    def test_failed_sample_marks_stale_and_keeps_last_figures(self) -> None:
+        h = self.h
+        self.successResultOf(h.node.sample_metrics())
+        h.backend.fail_with = RuntimeError("NVML: driver went away")
+        self.successResultOf(h.node.sample_metrics())
+        sample = h.node.metrics["gpu:0"]
+        self.assertTrue(sample.stale)
+        self.assertIn("driver went away", sample.error)
+        self.assertEqual(sample.memory_free_bytes, 8 << 30)
+        self.assertEqual(sample.utilization_pct, 10.0)
+        # And it recovers.
+        h.backend.fail_with = None
+        h.backend.free = 4 << 30
+        self.successResultOf(h.node.sample_metrics())
+        self.assertFalse(h.node.metrics["gpu:0"].stale)
+        self.assertEqual(h.node.metrics["gpu:0"].memory_free_bytes, 4 << 30)
+
+    def test_failed_first_sample_is_stale_with_what_is_known(self) -> None:
+        h = self.h
+        h.backend.fail_with = RuntimeError("no driver")
+        self.successResultOf(h.node.sample_metrics())
+        sample = h.node.metrics["gpu:0"]
+        self.assertTrue(sample.stale)
+        self.assertEqual(sample.memory_total_bytes, 16 << 30)
+        self.assertIsNone(sample.memory_free_bytes)
+
+    def test_raising_backend_is_a_stale_sample(self) -> None:
+        h = self.h
+
+        def boom(devices: Any) -> Any:
+            raise OSError("nvidia-smi: not found")
+
+        h.backend.sample = boom  # type: ignore[method-assign]
+        self.successResultOf(h.node.sample_metrics())
+        self.assertTrue(h.node.metrics["gpu:0"].stale)
+        self.assertIn("not found", h.node.metrics["gpu:0"].error)
+
+    def test_hung_sample_is_bounded_and_does_not_block(self) -> None:
+        h = self.h
+        self.successResultOf(h.node.sample_metrics())
+        h.backend.hang = True
+        d = h.node.sample_metrics()
+        self.assertNoResult(d)
+        # Meanwhile requests are served and a second sample does not pile up.
+        self.successResultOf(h.node.sample_metrics())
+        self.assertEqual(h.backend.samples, 2)
+        acquired = h.node.acquire(h.model("a"))
+        h.answer("alpha")
+        self.successResultOf(acquired).release()
+        self.assertFalse(h.node.metrics["gpu:0"].stale)
+        h.reactor.advance(METRICS_TIMEOUT_S)
+        self.successResultOf(d)
+        sample = h.node.metrics["gpu:0"]
+        self.assertTrue(sample.stale)
+        self.assertIn("timed out", sample.error)
+        self.assertEqual(sample.memory_free_bytes, 8 << 30)
+        # The next sample runs again.
+        h.backend.hang = False
+        self.successResultOf(h.node.sample_metrics())
+        self.assertEqual(h.backend.samples, 3)
+        self.assertFalse(h.node.metrics["gpu:0"].stale)
+
+    def test_sampling_loop_runs_on_the_clock(self) -> None:
+        h = NodeHarness()
+        h.node.startService()
+        self.addCleanup(h.node.stopService)
+        self.assertEqual(h.backend.samples, 1)
+        h.reactor.advance(5)
+        self.assertEqual(h.backend.samples, 2)
+
+    def test_hung_sample_does_not_stop_the_loop(self) -> None:
+        h = NodeHarness()
+        h.backend.hang = True
+        h.node.startService()
+        self.addCleanup(h.node.stopService)
+        h.reactor.advance(METRICS_TIMEOUT_S)
+        self.assertTrue(h.node.metrics["gpu:0"].stale)
+        h.backend.hang = False
+        h.reactor.advance(5)
+        self.assertFalse(h.node.metrics["gpu:0"].stale)
+
+
+class ReportingTests(SynchronousTestCase):
+    def test_device_states_and_inventory_shape(self) -> None:
+        h = NodeHarness(devices=2)
+        self.successResultOf(h.node.sample_metrics())
+        d = h.node.acquire(h.model("a"))
+        h.answer("alpha")
+        self.successResultOf(d)
+        h.node.acquire(h.model("a"))  # queued behind it
+        inventory = h.node.inventory()
+        self.assertEqual(set(inventory), {"node_id", "backend", "draining", "warnings", "devices"})
+        self.assertEqual(inventory["warnings"], [], "loopback: nothing to warn about")
+        self.assertEqual((inventory["node_id"], inventory["backend"], inventory["draining"]),
+                         ("test-node", "fake", False))
+        gpu0, gpu1 = inventory["devices"]
+        expected_keys = {"ref", "device", "state", "model", "port", "pid", "in_flight", "queued",
+                         "pending_limit", "restarts", "metrics", "last_error"}
+        self.assertEqual(set(gpu0), expected_keys)
+        self.assertEqual(set(gpu1), expected_keys)
+        self.assertEqual(gpu0["ref"]["name"], "gpu:0")
+        self.assertEqual(gpu0["ref"]["memory_total_bytes"], 16 << 30)
+        self.assertEqual((gpu0["device"], gpu0["state"], gpu0["model"], gpu0["port"]), ("gpu:0", READY, "a", 20000))
+        self.assertEqual(gpu0["pid"], h.child("gpu:0").pid)
+        self.assertEqual((gpu0["in_flight"], gpu0["queued"], gpu0["pending_limit"]), (1, 1, 2))
+        self.assertEqual(gpu0["metrics"]["memory_free_bytes"], 8 << 30)
+        self.assertIn("sample_age_s", gpu0["metrics"])
+        self.assertEqual((gpu1["state"], gpu1["model"], gpu1["port"], gpu1["pid"]), (STOPPED, None, None, None))
+        self.assertEqual((gpu1["in_flight"], gpu1["queued"]), (0, 0))
+        self.assertEqual(h.node.device_states()[0]["device"], "gpu:0")
+        self.assertNotIn("ref", h.node.device_states()[0])
+
+    def test_inventory_warns_when_exposed_without_a_key(self) -> None:
+        exposed = NodeHarness(listen_host="0.0.0.0").node.inventory()["warnings"]
+        self.assertEqual(len(exposed), 1)
+        self.assertIn("0.0.0.0", exposed[0])
+        self.assertEqual(NodeHarness(listen_host="0.0.0.0", api_keys=["k"]).node.inventory()["warnings"], [])
+
+    def test_inventory_before_any_sample(self) -> None:
+        h = NodeHarness()
+        device = h.node.inventory()["devices"][0]
+        self.assertIsNone(device["metrics"])
+        self.assertIsNone(device["last_error"])
+
+    def test_inventory_shows_last_error(self) -> None:
+        h = NodeHarness()
+        h.load("a")
+        h.child().output("GGML_ASSERT failed\n")
+        h.child().exit(signal=signal.SIGSEGV)
+        device = h.node.inventory()["devices"][0]
+        self.assertEqual(device["restarts"], 1)
+        self.assertIn("SIGSEGV", device["last_error"])
+
+
+class TwoDeviceTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.h = NodeHarness(devices=2)
+
+    def test_models_spread_over_devices(self) -> None:
+        h = self.h
+        self.assertEqual(h.load("a"), "gpu:0")
+        self.assertEqual(h.load("b"), "gpu:1")
+        self.assertEqual(len(h.reactor.processes), 2)
+
+    def test_busy_device_with_the_model_is_preferred_over_evicting_another(self) -> None:
+        h = self.h
+        h.load("b", device="gpu:1")
+        first = h.node.acquire(h.model("a"))
+        h.answer("alpha")
+        lease = self.successResultOf(first)
+        self.assertEqual(lease.device, "gpu:0")
+        second = h.node.acquire(h.model("a"))
+        self.assertNoResult(second)  # waits behind the request in flight
+        self.assertEqual(len(h.book("gpu:0").queue), 1)
+        self.assertEqual(h.sup("gpu:1").state, READY)
+        self.assertEqual(h.sup("gpu:1").model.model_id, "b", "b is not evicted")
+        self.assertEqual(h.signals.calls, [])
+        self.assertEqual(len(h.reactor.processes), 2)
+        lease.release()
+        self.assertEqual(self.successResultOf(second).device, "gpu:0")
+
+    def test_full_device_with_the_model_spills_to_another(self) -> None:
+        h = self.h
+        h.load("a", device="gpu:0")
+        first = h.node.acquire(h.model("a"))
+        h.node.acquire(h.model("a"))
+        self.assertEqual((len(h.book("gpu:0").running), len(h.book("gpu:0").queue)), (1, 1))
+        spill = h.node.acquire(h.model("a"))
+        self.assertEqual(h.book("gpu:1").pending, 1)
+        self.assertEqual(h.sup("gpu:1").state, STARTING)
+        h.answer("alpha")
+        self.assertEqual(self.successResultOf(spill).device, "gpu:1")
+        self.assertEqual(self.successResultOf(first).device, "gpu:0")
+        # gpu:1 now holds a and has room: the next one queues there.
+        h.node.acquire(h.model("a"))
+        self.assertEqual(len(h.book("gpu:1").queue), 1)
+        failure = self.failureResultOf(h.node.acquire(h.model("a")), errors.ApiError)
+        self.assertEqual(failure.value.status, 429)
+
+    def test_queue_full_only_when_every_device_is_full(self) -> None:
+        h = self.h
+        for _ in range(4):
+            h.node.acquire(h.model("a"))
+        self.assertEqual([h.book("gpu:0").pending, h.book("gpu:1").pending], [2, 2])
+        failure = self.failureResultOf(h.node.acquire(h.model("b")), errors.ApiError)
+        self.assertEqual(failure.value.code, "queue_full")
+        self.assertIn("every device", failure.value.message)
+
+    def test_parallel_slots_run_concurrently(self) -> None:
+        h = NodeHarness(models=[{"model_id": "p", "server_args": {"parallel": 2}}],
+                        max_pending_requests_per_device=3)
+        ds = [h.node.acquire(h.model("p")) for _ in range(3)]
+        h.answer("p")
+        self.successResultOf(ds[0])
+        self.successResultOf(ds[1])
+        self.assertNoResult(ds[2])
+        self.assertEqual(QUEUED, h.book().queue[0].state)
+
+    def test_request_during_idle_unload_keeps_the_books_right(self) -> None:
+        # a unloads after 10 s idle on gpu:0; b stays on gpu:1.  A request for a
+        # that arrives while a's child is stopping reloads it on gpu:0; after
+        # that the books must still say gpu:0 holds a, so the next request for
+        # a waits there instead of evicting b.
+        models = [dict(MODELS[0], idle_unload_s=10), MODELS[1]]
+        h = NodeHarness(models=models, devices=2)
+        h.node.startService()
+        self.addCleanup(h.node.stopService)
+        h.load("a", device="gpu:0")
+        h.load("b", device="gpu:1")
+        h.reactor.advance(10)
+        self.assertEqual(h.sup("gpu:0").state, STOPPING)
+        first = h.node.acquire(h.model("a"))
+        h.reap("gpu:0")
+        self.assertEqual(h.sup("gpu:0").state, STARTING)
+        h.answer("alpha")
+        self.assertEqual(self.successResultOf(first).device, "gpu:0")
+        self.assertEqual(h.book("gpu:0").model, "a")
+        second = h.node.acquire(h.model("a"))
+        self.assertNoResult(second)
+        self.assertEqual(len(h.book("gpu:0").queue), 1)
+        self.assertEqual(h.sup("gpu:1").model.model_id, "b")
+        self.assertEqual(h.sup("gpu:1").state, READY)

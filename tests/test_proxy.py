@@ -1,0 +1,576 @@
+"""Unit tests of the relay: an in-memory upstream (a fake IAgent whose
+responses the test drives chunk by chunk) and a DummyRequest downstream."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, List, Optional
+
+from twisted.internet import defer
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionDone, ConnectionLost, ConnectionRefusedError
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web._newclient import RequestNotSent, ResponseNeverReceived
+from twisted.web.client import ResponseDone, ResponseFailed
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import UNKNOWN_LENGTH
+from twisted.web.test.requesthelper import DummyRequest
+from zope.interface import implementer
+
+from rolemesh import errors
+from rolemesh.proxy import (
+    CLIENT_GONE,
+    COMPLETE,
+    HOP_HEADERS,
+    STREAM_ERROR,
+    TRUNCATED,
+    BytesProducer,
+    Proxy,
+    sse_error_event,
+)
+
+BASE = "http://127.0.0.1:20000"
+
+
+@implementer(IPushProducer)
+class UpstreamTransport:
+    """What the relay protocol gets as its transport: records flow control."""
+
+    def __init__(self) -> None:
+        self.paused = 0
+        self.resumed = 0
+        self.stopped = 0
+
+    def pauseProducing(self) -> None:
+        self.paused += 1
+
+    def resumeProducing(self) -> None:
+        self.resumed += 1
+
+    def stopProducing(self) -> None:
+        self.stopped += 1
+
+
+class FakeResponse:
+    """An IResponse whose body the test delivers."""
+
+    def __init__(self, code: int = 200, phrase: bytes = b"OK", headers: Optional[dict] = None) -> None:
+        self.code = code
+        self.phrase = phrase
+        self.version = (b"HTTP", 1, 1)
+        self.headers = Headers(headers if headers is not None else {b"content-type": [b"application/json"]})
+        self.length = UNKNOWN_LENGTH
+        self.request = None
+        self.previousResponse = None
+        self.transport = UpstreamTransport()
+        self.protocol: Any = None
+        #: When set, deliverBody sends these chunks and ends the body at once.
+        self.autoplay: Optional[List[bytes]] = None
+
+    def deliverBody(self, protocol: Any) -> None:
+        self.protocol = protocol
+        protocol.makeConnection(self.transport)
+        if self.autoplay is not None:
+            for chunk in self.autoplay:
+                self.send(chunk)
+            self.finish()
+
+    def setPreviousResponse(self, response: Any) -> None:
+        self.previousResponse = response
+
+    # driving it
+    def send(self, data: bytes) -> None:
+        self.protocol.dataReceived(data)
+
+    def finish(self) -> None:
+        self.protocol.connectionLost(Failure(ResponseDone("done")))
+
+    def cut(self) -> None:
+        self.protocol.connectionLost(Failure(ResponseFailed([Failure(ConnectionLost("child died"))])))
+
+
+class Attempt:
+    """One upstream request the proxy made."""
+
+    def __init__(self, agent: "FakeAgent", method: bytes, url: bytes, headers: Headers, producer: Any) -> None:
+        self.method = method
+        self.url = url
+        self.headers = headers
+        self.body = b""
+        self.cancelled = 0
+        self._agent = agent
+        self.deferred: Deferred = Deferred(self._cancel)
+        if producer is not None:
+            producer.startProducing(self)
+
+    def write(self, data: bytes) -> None:  # the body producer's consumer
+        self.body += data
+
+    def _cancel(self, d: Deferred) -> None:
+        self.cancelled += 1
+        if self._agent.realistic_cancel:
+            # What twisted.web's HTTP11ClientProtocol does: abort the
+            # connection, fail the request as never answered.
+            d.errback(Failure(ResponseNeverReceived([Failure(defer.CancelledError())])))
+
+    def respond(self, response: FakeResponse) -> FakeResponse:
+        self.deferred.callback(response)
+        return response
+
+    def fail(self, failure: Any) -> None:
+        self.deferred.errback(failure if isinstance(failure, Failure) else Failure(failure))
+
+
+class FakeAgent:
+    """An IAgent for the proxy's ``agent=``: records attempts, answers none by itself."""
+
+    def __init__(self, realistic_cancel: bool = True, auto: Optional[Callable[[Attempt], Any]] = None) -> None:
+        self.attempts: List[Attempt] = []
+        self.realistic_cancel = realistic_cancel
+        #: When set, called with each attempt; a FakeResponse it returns answers it at once.
+        self.auto = auto
+
+    def request(self, method: bytes, uri: bytes, headers: Any = None, bodyProducer: Any = None) -> Deferred:
+        attempt = Attempt(self, method, uri, headers, bodyProducer)
+        self.attempts.append(attempt)
+        if self.auto is not None:
+            response = self.auto(attempt)
+            if response is not None:
+                attempt.respond(response)
+        return attempt.deferred
+
+    @property
+    def last(self) -> Attempt:
+        return self.attempts[-1]
+
+
+class DownstreamRequest(DummyRequest):
+    """A DummyRequest that takes a push producer the way twisted.web does and
+    records writes made after the client went away."""
+
+    def __init__(self) -> None:
+        super().__init__([b""])
+        self.method = b"POST"
+        self.producer: Any = None
+        self.registrations: List[Any] = []
+        self.unregistered = 0
+        self._disconnected = False
+        self.writes_after_gone: List[bytes] = []
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        assert self.producer is None, "a producer is already registered"
+        self.producer = producer
+        self.registrations.append((producer, streaming))
+
+    def unregisterProducer(self) -> None:
+        self.producer = None
+        self.unregistered += 1
+
+    def write(self, data: bytes) -> None:
+        if self._disconnected or self.finished:
+            self.writes_after_gone.append(data)
+        super().write(data)
+
+    def client_gone(self) -> None:
+        self._disconnected = True
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.written)
+
+
+class ProxyTestCase(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.agent = FakeAgent()
+        self.proxy = Proxy(reactor=self.clock, agent=self.agent)
+        self.request = DownstreamRequest()
+        self.first_bytes: List[int] = []
+
+    def forward(self, streaming: bool = False, timeout: Optional[float] = None, body: bytes = b'{"model": "a"}',
+                path: str = "/v1/chat/completions") -> Deferred:
+        return self.proxy.forward(self.request, BASE, path, body, streaming, timeout=timeout,
+                                  on_first_byte=lambda: self.first_bytes.append(len(self.request.written)))
+
+    def event_stream(self, **extra: List[bytes]) -> FakeResponse:
+        return FakeResponse(headers={b"content-type": [b"text/event-stream"], **extra})
+
+    def assertClientGone(self, d: Deferred) -> None:
+        """Cancelled: CLIENT_GONE or a CancelledError, never an ApiError."""
+        results: List[Any] = []
+        d.addBoth(results.append)
+        self.assertEqual(len(results), 1, "forward() fired")
+        result = results[0]
+        if isinstance(result, Failure):
+            self.assertTrue(result.check(defer.CancelledError), f"not a cancellation: {result!r}")
+        else:
+            self.assertEqual(result, CLIENT_GONE)
+
+
+class RelayTests(ProxyTestCase):
+    def test_posts_the_body_to_the_child(self) -> None:
+        self.forward(body=b'{"model": "a", "x": 1}', path="/v1/embeddings")
+        attempt = self.agent.last
+        self.assertEqual(attempt.method, b"POST")
+        self.assertEqual(attempt.url, b"http://127.0.0.1:20000/v1/embeddings")
+        self.assertEqual(attempt.body, b'{"model": "a", "x": 1}')
+        self.assertEqual(attempt.headers.getRawHeaders(b"content-type"), [b"application/json"])
+
+    def test_complete_answer(self) -> None:
+        d = self.forward()
+        response = self.agent.last.respond(FakeResponse())
+        response.send(b'{"choices": []}')
+        self.assertNoResult(d)
+        response.finish()
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertEqual(self.request.responseCode, 200)
+        self.assertEqual(self.request.body, b'{"choices": []}')
+        self.assertEqual(self.request.unregistered, 1)
+
+    def test_headers_copied_minus_hop_by_hop(self) -> None:
+        d = self.forward()
+        upstream = {
+            b"content-type": [b"application/json; charset=utf-8"],
+            b"content-length": [b"2"],
+            b"x-custom": [b"kept"],
+            b"connection": [b"keep-alive"],
+            b"keep-alive": [b"timeout=5"],
+            b"transfer-encoding": [b"chunked"],
+            b"server": [b"llama.cpp"],
+            b"date": [b"Mon, 01 Jan 2024 00:00:00 GMT"],
+            b"access-control-allow-origin": [b"*"],
+            b"trailer": [b"x"],
+            b"upgrade": [b"h2c"],
+        }
+        response = self.agent.last.respond(FakeResponse(201, b"Created", upstream))
+        response.send(b"{}")
+        response.finish()
+        self.successResultOf(d)
+        headers = self.request.responseHeaders
+        self.assertEqual(self.request.responseCode, 201)
+        self.assertEqual(self.request.responseMessage, b"Created")
+        self.assertEqual(headers.getRawHeaders(b"content-type"), [b"application/json; charset=utf-8"])
+        self.assertEqual(headers.getRawHeaders(b"content-length"), [b"2"])
+        self.assertEqual(headers.getRawHeaders(b"x-custom"), [b"kept"])
+        for name in HOP_HEADERS:
+            self.assertIsNone(headers.getRawHeaders(name), name)
+        self.assertIsNone(headers.getRawHeaders(b"x-accel-buffering"))
+
+    def test_upstream_4xx_passes_through_unchanged(self) -> None:
+        d = self.forward()
+        body = b'{"error":{"code":400,"message":"bad messages","type":"invalid_request_error"}}'
+        response = self.agent.last.respond(FakeResponse(400, b"Bad Request"))
+        response.send(body)
+        response.finish()
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertEqual(self.request.responseCode, 400)
+        self.assertEqual(self.request.body, body)
+
+    def test_event_stream_headers(self) -> None:
+        d = self.forward(streaming=True)
+        response = self.agent.last.respond(self.event_stream(**{"content-length": [b"999"]}))
+        headers = self.request.responseHeaders
+        self.assertEqual(headers.getRawHeaders(b"x-accel-buffering"), [b"no"])
+        self.assertEqual(headers.getRawHeaders(b"cache-control"), [b"no-cache"])
+        self.assertIsNone(headers.getRawHeaders(b"content-length"), "no stale Content-Length")
+        self.assertEqual(headers.getRawHeaders(b"content-type"), [b"text/event-stream"])
+        response.finish()
+        self.successResultOf(d)
+
+    def test_chunks_are_written_as_they_arrive(self) -> None:
+        d = self.forward(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        chunks = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]
+        for i, chunk in enumerate(chunks):
+            response.send(chunk)
+            self.assertEqual(self.request.written, chunks[: i + 1], "written before the upstream finished")
+            self.assertNoResult(d)
+        response.finish()
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertEqual(self.request.body, b"".join(chunks))
+
+    def test_upstream_is_the_downstream_producer(self) -> None:
+        d = self.forward(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        self.assertEqual(self.request.registrations, [(response.transport, True)])
+        # A slow client pauses llama-server's socket, and resumes it.
+        self.request.producer.pauseProducing()
+        self.request.producer.resumeProducing()
+        self.assertEqual((response.transport.paused, response.transport.resumed), (1, 1))
+        response.finish()
+        self.successResultOf(d)
+        self.assertIsNone(self.request.producer)
+        self.assertEqual(self.request.unregistered, 1)
+
+    def test_first_byte_callback_fires_once_at_the_first_byte(self) -> None:
+        d = self.forward(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        self.assertEqual(self.first_bytes, [], "headers are not the first byte")
+        response.send(b"data: 1\n\n")
+        response.send(b"data: 2\n\n")
+        response.send(b"data: [DONE]\n\n")
+        response.finish()
+        self.successResultOf(d)
+        self.assertEqual(self.first_bytes, [0], "once, before the first chunk was written")
+
+    def test_no_body_no_first_byte(self) -> None:
+        d = self.forward()
+        self.agent.last.respond(FakeResponse(204, b"No Content")).finish()
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertEqual(self.first_bytes, [])
+
+    def test_potential_data_loss_is_a_complete_answer(self) -> None:
+        # An HTTP/1.0-style body without a length ends when the connection does.
+        d = self.forward()
+        response = self.agent.last.respond(FakeResponse())
+        response.send(b"{}")
+        response.protocol.connectionLost(Failure(PotentialDataLoss()))
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+
+
+class UpstreamFailureTests(ProxyTestCase):
+    def test_cut_mid_stream_ends_with_an_sse_error_event(self) -> None:
+        d = self.forward(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        response.send(b'data: {"n": 1}\n\n')
+        response.cut()
+        self.assertEqual(self.successResultOf(d), STREAM_ERROR)
+        self.assertEqual(self.request.written[0], b'data: {"n": 1}\n\n')
+        tail = self.request.body[len(b'data: {"n": 1}\n\n'):]
+        self.assertTrue(tail.endswith(b"data: [DONE]\n\n"), tail)
+        events = [e for e in tail.split(b"\n\n") if e]
+        self.assertEqual(events[-1], b"data: [DONE]")
+        error = json.loads(events[0][len(b"data: "):])
+        self.assertEqual(error["error"]["code"], "upstream_error")
+        self.assertEqual(error["error"]["type"], "server_error")
+        self.assertEqual(len(self.agent.attempts), 1, "a request that got an answer is never retried")
+
+    def test_cut_mid_answer_is_truncated(self) -> None:
+        d = self.forward()
+        response = self.agent.last.respond(FakeResponse(headers={b"content-type": [b"application/json"],
+                                                                 b"content-length": [b"100"]}))
+        response.send(b'{"choi')
+        response.cut()
+        self.assertEqual(self.successResultOf(d), TRUNCATED)
+        self.assertEqual(self.request.body, b'{"choi', "nothing appended to a JSON answer")
+        self.assertEqual(len(self.agent.attempts), 1)
+
+    def test_connection_refused_is_502(self) -> None:
+        d = self.forward()
+        self.agent.last.fail(ConnectionRefusedError("127.0.0.1", 20000))
+        error = self.failureResultOf(d, errors.ApiError).value
+        self.assertEqual((error.status, error.code, error.type), (502, "upstream_error", "server_error"))
+        self.assertIn("llama-server", error.message)
+        self.assertEqual(len(self.agent.attempts), 1, "refused is not a stale connection")
+        self.assertEqual(self.request.written, [])
+        self.assertIsNone(self.request.responseCode)
+
+    def test_response_failed_before_any_byte_after_sending_is_502(self) -> None:
+        d = self.forward()
+        self.agent.last.fail(ResponseFailed([Failure(ConnectionLost())]))
+        self.assertEqual(self.failureResultOf(d, errors.ApiError).value.status, 502)
+        self.assertEqual(len(self.agent.attempts), 1)
+
+    def test_client_gone_when_upstream_ends_is_client_gone(self) -> None:
+        d = self.forward(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        response.send(b"data: 1\n\n")
+        self.request.client_gone()
+        response.cut()
+        self.assertEqual(self.successResultOf(d), CLIENT_GONE)
+        self.assertEqual(self.request.writes_after_gone, [], "no SSE error event to a client that left")
+
+
+class TimeoutTests(ProxyTestCase):
+    def test_no_answer_within_the_deadline_is_504(self) -> None:
+        d = self.forward(timeout=5)
+        self.clock.advance(4.9)
+        self.assertNoResult(d)
+        self.clock.advance(0.1)
+        error = self.failureResultOf(d, errors.ApiError).value
+        self.assertEqual((error.status, error.code, error.type), (504, "upstream_timeout", "server_error"))
+        self.assertIn("5s", error.message)
+        self.assertEqual(self.agent.last.cancelled, 1, "the upstream request was closed")
+        self.assertEqual(len(self.agent.attempts), 1, "a timeout is not retried")
+        self.assertEqual(self.request.written, [])
+
+    def test_no_answer_with_a_plain_cancelling_agent_is_504(self) -> None:
+        self.agent.realistic_cancel = False
+        d = self.forward(timeout=5)
+        self.clock.advance(5)
+        self.assertEqual(self.failureResultOf(d, errors.ApiError).value.status, 504)
+        self.assertEqual(len(self.agent.attempts), 1)
+
+    def test_body_that_stops_mid_way_is_cut_at_the_deadline(self) -> None:
+        d = self.forward(timeout=5)
+        response = self.agent.last.respond(FakeResponse())
+        response.send(b'{"par')
+        self.clock.advance(5)
+        self.assertEqual(response.transport.stopped, 1, "the upstream connection is closed")
+        self.assertNoResult(d)
+        response.cut()  # what closing the connection does
+        self.assertEqual(self.successResultOf(d), TRUNCATED)
+        self.assertEqual(self.request.body, b'{"par')
+
+    def test_deadline_timer_is_cancelled_when_done(self) -> None:
+        d = self.forward(timeout=5)
+        response = self.agent.last.respond(FakeResponse())
+        response.send(b"{}")
+        response.finish()
+        self.successResultOf(d)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_deadline_timer_is_cancelled_on_failure(self) -> None:
+        d = self.forward(timeout=5)
+        self.agent.last.fail(ConnectionRefusedError())
+        self.failureResultOf(d, errors.ApiError)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_streams_have_no_deadline(self) -> None:
+        d = self.forward(streaming=True, timeout=5)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        response = self.agent.last.respond(self.event_stream())
+        self.clock.advance(10000)
+        self.assertNoResult(d)
+        self.assertEqual(response.transport.stopped, 0)
+        response.finish()
+        self.successResultOf(d)
+
+
+class CancellationTests(ProxyTestCase):
+    """The client went away: Klein cancels the route's Deferred."""
+
+    def test_cancel_before_the_answer_closes_upstream(self) -> None:
+        d = self.forward()
+        d.cancel()
+        self.assertClientGone(d)
+        self.assertEqual(self.agent.last.cancelled, 1)
+        self.assertEqual(len(self.agent.attempts), 1, "a cancelled request is not retried")
+        self.assertEqual(self.request.written, [])
+        self.assertIsNone(self.request.responseCode)
+
+    def test_cancel_before_the_answer_with_a_plain_cancelling_agent(self) -> None:
+        self.agent.realistic_cancel = False
+        d = self.forward()
+        d.cancel()
+        self.assertClientGone(d)
+        self.assertEqual(self.agent.last.cancelled, 1)
+        self.assertEqual(len(self.agent.attempts), 1)
+
+    def test_cancel_mid_stream_stops_upstream_and_never_writes_again(self) -> None:
+        d = self.forward(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        response.send(b"data: 1\n\n")
+        self.request.client_gone()
+        d.cancel()
+        self.assertClientGone(d)
+        self.assertEqual(response.transport.stopped, 1, "llama-server's connection is closed")
+        written = list(self.request.written)
+        response.cut()  # what stopProducing leads to
+        self.assertEqual(self.request.written, written, "nothing written after the client left")
+        self.assertEqual(self.request.writes_after_gone, [])
+        self.assertEqual(self.request.unregistered, 1)
+
+    def test_cancel_mid_answer_stops_upstream(self) -> None:
+        d = self.forward(timeout=30)
+        response = self.agent.last.respond(FakeResponse())
+        response.send(b"{")
+        d.cancel()
+        self.assertClientGone(d)
+        self.assertEqual(response.transport.stopped, 1)
+        response.cut()
+        self.assertEqual(self.request.body, b"{")
+        self.assertEqual(self.clock.getDelayedCalls(), [], "the deadline timer is gone")
+
+    def test_cancel_while_retrying_cancels_the_retry(self) -> None:
+        d = self.forward()
+        self.agent.attempts[0].fail(ResponseNeverReceived([Failure(ConnectionDone())]))
+        self.assertEqual(len(self.agent.attempts), 2)
+        d.cancel()
+        self.assertClientGone(d)
+        self.assertEqual(self.agent.attempts[1].cancelled, 1)
+        self.assertEqual(len(self.agent.attempts), 2)
+
+
+class StaleConnectionTests(ProxyTestCase):
+    def test_stale_pooled_connection_is_retried_once(self) -> None:
+        d = self.forward()
+        self.agent.attempts[0].fail(ResponseNeverReceived([Failure(ConnectionDone())]))
+        self.assertEqual(len(self.agent.attempts), 2)
+        retry = self.agent.attempts[1]
+        self.assertEqual((retry.url, retry.body), (self.agent.attempts[0].url, self.agent.attempts[0].body))
+        response = retry.respond(FakeResponse())
+        response.send(b"{}")
+        response.finish()
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertEqual(self.request.body, b"{}")
+
+    def test_request_not_sent_is_retried(self) -> None:
+        d = self.forward()
+        self.agent.attempts[0].fail(RequestNotSent())
+        self.assertEqual(len(self.agent.attempts), 2)
+        self.agent.attempts[1].respond(FakeResponse()).finish()
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+
+    def test_retried_exactly_once(self) -> None:
+        d = self.forward()
+        self.agent.attempts[0].fail(ResponseNeverReceived([Failure(ConnectionDone())]))
+        self.agent.attempts[1].fail(ResponseNeverReceived([Failure(ConnectionDone())]))
+        error = self.failureResultOf(d, errors.ApiError).value
+        self.assertEqual(error.status, 502)
+        self.assertEqual(len(self.agent.attempts), 2)
+
+    def test_not_retried_after_cancellation(self) -> None:
+        d = self.forward()
+        d.cancel()  # the realistic agent fails the attempt with ResponseNeverReceived
+        self.assertEqual(len(self.agent.attempts), 1)
+        self.assertClientGone(d)
+
+    def test_not_retried_after_the_deadline(self) -> None:
+        d = self.forward(timeout=5)
+        self.clock.advance(5)
+        self.assertEqual(len(self.agent.attempts), 1)
+        self.assertEqual(self.failureResultOf(d, errors.ApiError).value.status, 504)
+
+
+class PieceTests(SynchronousTestCase):
+    def test_bytes_producer(self) -> None:
+        producer = BytesProducer(b"hello")
+        self.assertEqual(producer.length, 5)
+        received: List[bytes] = []
+
+        class Consumer:
+            def write(self, data: bytes) -> None:
+                received.append(data)
+
+        self.successResultOf(producer.startProducing(Consumer()))
+        self.assertEqual(received, [b"hello"])
+        producer.pauseProducing()
+        producer.resumeProducing()
+        producer.stopProducing()
+
+    def test_sse_error_event(self) -> None:
+        event = sse_error_event("boom")
+        self.assertTrue(event.startswith(b"data: {"))
+        self.assertTrue(event.endswith(b"\n\ndata: [DONE]\n\n"))
+        body = json.loads(event.split(b"\n\n")[0][len(b"data: "):])
+        self.assertEqual(body, {"error": {"message": "boom", "type": "server_error", "code": "upstream_error"}})
+
+    def test_default_agent_uses_its_own_pool(self) -> None:
+        reactor = MemoryReactorClock()
+        proxy = Proxy(reactor=reactor, max_per_host=3)
+        proxy.agent  # noqa: B018 -- builds the pool
+        pool = proxy._pool
+        assert pool is not None
+        self.assertTrue(pool.persistent)
+        self.assertEqual(pool.maxPersistentPerHost, 3)
+        self.assertFalse(pool.retryAutomatically, "the proxy retries stale connections itself, once")
+        self.successResultOf(proxy.close())
+
+    def test_close_without_pool(self) -> None:
+        self.successResultOf(Proxy(reactor=Clock(), agent=FakeAgent()).close())
