@@ -4,7 +4,6 @@ fake children, the real Proxy with a fake upstream agent."""
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from treq.testing import StubTreq
@@ -67,7 +66,7 @@ class ApiHarness:
             render_metrics=lambda: b"# HELP rolemesh_up up\nrolemesh_up 1\n",
             observers=[lambda event, **fields: self.observed.append(dict(fields, event=event))],
         )
-        self.treq = StubTreq(self.api.resource())
+        self.treq: Any = StubTreq(self.api.resource())
         self.keys = list(keys)
 
     def send(self, method: str, path: str, body: Any = None, headers: Optional[Dict[str, Any]] = None,
@@ -201,7 +200,7 @@ class ProxiedRequestTests(ApiTestCase):
         self.assertEqual(h.agent.attempts, [], "nothing is sent to a loading child")
         h.node_h.answer("alpha")
         self.assertEqual(h.finish(pending).json()["model"], "chat")
-        self.assertEqual(h.node_h.sup().model.model_id, "a", "the role resolved to a")
+        self.assertEqual(h.node_h.model_on(), "a", "the role resolved to a")
 
     def test_observers_see_each_request(self) -> None:
         self.loaded("a")
@@ -258,6 +257,40 @@ class ProxiedRequestTests(ApiTestCase):
         # The device is usable at once.
         h.agent.auto = json_answer
         self.assertEqual(h.chat({"model": "a", **CHAT}).code, 200)
+
+
+class DisconnectWhileWaitingTests(ApiTestCase):
+    def test_disconnect_while_loading(self) -> None:
+        h = self.h
+        pending = h.send("POST", "/v1/chat/completions", {"model": "a", **CHAT})
+        h.treq.flush()
+        self.assertEqual(h.node_h.sup().state, STARTING)
+        pending.cancel()
+        h.treq.flush()
+        self.failureResultOf(pending)
+        self.assertTrue(h.node_h.idle(), "the slot was freed at once")
+        self.assertEqual(h.observed[-1]["status"], 499)
+        self.assertEqual(self.flushLoggedErrors(), [])
+        h.node_h.answer("alpha")
+        self.assertEqual(h.agent.attempts, [], "nothing was sent for the client that left")
+        self.assertEqual(h.chat({"model": "a", **CHAT}).code, 200)
+
+    def test_disconnect_while_queued(self) -> None:
+        h = ApiHarness(auto=False)
+        h.node_h.load("a")
+        first = h.send("POST", "/v1/chat/completions", {"model": "a", **CHAT})
+        queued = h.send("POST", "/v1/chat/completions", {"model": "a", **CHAT})
+        h.treq.flush()
+        self.assertEqual(len(h.node_h.book().queue), 1)
+        queued.cancel()
+        h.treq.flush()
+        self.failureResultOf(queued)
+        self.assertEqual(len(h.node_h.book().queue), 0, "left the queue at once")
+        h.agent.last.respond(json_answer(h.agent.last))
+        self.assertEqual(h.finish(first).code, 200)
+        self.assertEqual(len(h.agent.attempts), 1)
+        self.assertTrue(h.node_h.idle())
+        self.assertEqual(self.flushLoggedErrors(), [])
 
 
 class RequestErrorTests(ApiTestCase):
@@ -441,7 +474,7 @@ class NodeRouteTests(ApiTestCase):
     def test_metrics(self) -> None:
         answer = self.h.call("GET", "/metrics")
         self.assertEqual(answer.code, 200)
-        self.assertTrue(answer.header("content-type").startswith("text/plain"))
+        self.assertTrue((answer.header("content-type") or "").startswith("text/plain"))
         self.assertIn(b"rolemesh_up 1", answer.body)
 
 
@@ -451,7 +484,7 @@ class ApiHarnessView(ApiHarness):
     def __init__(self, base: ApiHarness, api: NodeAPI) -> None:
         self.__dict__.update(base.__dict__)
         self.api = api
-        self.treq = StubTreq(api.resource())
+        self.treq: Any = StubTreq(api.resource())
 
 
 class LogsEndpointTests(ApiTestCase):
@@ -605,7 +638,7 @@ class RequestIdTests(ApiTestCase):
         for value in (None, "", "has space", "A" * 65, "semi;colon", "<script>", "caf\u00e9"):
             rid = self.rid(value)
             self.assertIsNotNone(rid)
-            self.assertRegex(rid, re.compile(r"^[0-9a-f]{32}$"))
+            self.assertRegex(rid or "", r"^[0-9a-f]{32}$")
             self.assertNotEqual(rid, value)
             seen.add(rid)
         self.assertEqual(len(seen), 7, "a fresh id each time")

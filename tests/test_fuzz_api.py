@@ -17,9 +17,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from treq import content
 from treq.testing import RequestTraversalAgent
-from twisted.logger import LogLevel, globalLogPublisher
+from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http_headers import Headers
+from zope.interface import implementer
 
 from rolemesh.proxy import BytesProducer
 from tests.test_api import CHAT, KEY, ApiHarness
@@ -254,6 +255,7 @@ class FuzzApiTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.logged: List[Dict[str, Any]] = []
 
+        @implementer(ILogObserver)
         def observe(event: Dict[str, Any]) -> None:
             if event.get("log_level") in (LogLevel.error, LogLevel.critical):
                 self.logged.append(event)
