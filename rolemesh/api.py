@@ -262,6 +262,43 @@ class NodeAPI:
     def embeddings(self, request: Any) -> Any:
         return self._proxy(request, "embeddings", "/v1/embeddings")
 
+    def _body(self, request: Any) -> bytes:
+        if getattr(request, "body_too_large", False):  # the listener did not keep it
+            limit = self.config.max_request_body_bytes
+            raise errors.ApiError(413, f"request body is larger than {limit} bytes (max_request_body_bytes)",
+                                  "invalid_request_error", "request_too_large")
+        return request.content.read()
+
+    # -- operator routes: warm or free a device -------------------------------------
+
+    def _supervisor(self, device: str) -> Any:
+        supervisor = self.node.supervisors.get(device)
+        if supervisor is None:
+            raise errors.ApiError(404, f"no device {device[:64]!r} on this node", "invalid_request_error",
+                                  "device_not_found")
+        return supervisor
+
+    @app.route("/v1/node/devices/<device>/load", methods=["POST"])
+    @defer.inlineCallbacks
+    def load(self, request: Any, device: str) -> Any:
+        """Load a model on a device, queued like a request (429 when full)."""
+        self._authorize(request)
+        supervisor = self._supervisor(device)
+        payload = parse_body(self._body(request), self.config.max_request_body_bytes)
+        model = self.node.resolve(payload["model"])
+        lease = yield self.node.acquire(model, device=device)
+        lease.release()
+        return _json(request, 200, {"device": device, "model": model.model_id, **supervisor.snapshot()})
+
+    @app.route("/v1/node/devices/<device>/unload", methods=["POST"])
+    @defer.inlineCallbacks
+    def unload(self, request: Any, device: str) -> Any:
+        """Stop a device's child once the requests ahead of this one are done."""
+        self._authorize(request)
+        supervisor = self._supervisor(device)
+        yield self.node.unload(device)
+        return _json(request, 200, {"device": device, **supervisor.snapshot()})
+
     def _request_id(self, request: Any) -> str:
         given = (request.getHeader(b"x-request-id") or b"").decode("latin-1")  # bytes: the raw header value
         rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
@@ -286,7 +323,7 @@ class NodeAPI:
             self._authorize(request)
             if self.node.draining:
                 raise errors.ApiError(503, "the node is shutting down", "server_error", "shutting_down", 5)
-            body = request.content.read()
+            body = self._body(request)
             payload = parse_body(body, self.config.max_request_body_bytes)
             model = self.node.resolve(payload["model"])
             model_id = model.model_id

@@ -24,7 +24,7 @@ from rolemesh import errors
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.interfaces import IDeviceBackend
-from rolemesh.scheduler import QUEUED, RUNNING, QueueFull, Scheduler, Ticket
+from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
 from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor
 
 log = Logger()
@@ -59,6 +59,11 @@ class _Acquisition:
     model: ModelConfig
     result: Deferred
     loading: Optional[Deferred] = None
+
+
+@attr.s(eq=False, auto_attribs=True)
+class _Unload:
+    result: Deferred
 
 
 class Node(MultiService):
@@ -208,6 +213,34 @@ class Node(MultiService):
             )
         return request.result
 
+    def unload(self, device: str) -> "Deferred[None]":
+        """Stop ``device``'s child once the requests ahead of this one are
+        done (queued like a switch; 429 when the device's queue is full)."""
+        if self.draining:
+            return defer.fail(errors.ApiError(503, "the node is shutting down", "server_error", "shutting_down", 5))
+        request = _Unload(Deferred(lambda d: self.scheduler.cancel(ticket) if ticket.state == QUEUED else None))
+        try:
+            ticket = self.scheduler.submit(UNLOAD, 1, device, context=request)
+        except QueueFull:
+            return defer.fail(errors.ApiError(429, f"device {device} already has "
+                                              f"{self.config.max_pending_requests_per_device} requests pending",
+                                              "rate_limit_error", "queue_full", retry_after=1))
+        return request.result
+
+    def _unload_started(self, ticket: Ticket, request: _Unload) -> None:
+        supervisor = self.supervisors[ticket.device]  # type: ignore[index]
+        self._cancel_idle_timer(supervisor.name)
+
+        def stopped(result: Any) -> Any:
+            self.scheduler.finish(ticket)
+            self.scheduler.model_unloaded(supervisor.name, UNLOAD)
+            self._device_quiet(supervisor.name)
+            if not request.result.called:
+                request.result.callback(None)
+            return None
+
+        supervisor.stop().addBoth(stopped)
+
     def _cancel(self, ticket: Ticket, request: _Acquisition) -> None:
         if ticket.state == QUEUED:
             self.scheduler.cancel(ticket)
@@ -215,6 +248,9 @@ class Node(MultiService):
             request.loading.cancel()
 
     def _ticket_started(self, ticket: Ticket) -> None:
+        if isinstance(ticket.context, _Unload):
+            self._unload_started(ticket, ticket.context)
+            return
         request: _Acquisition = ticket.context  # type: ignore[assignment]
         supervisor = self.supervisors[ticket.device]  # type: ignore[index]
         self._cancel_idle_timer(supervisor.name)

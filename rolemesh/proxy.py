@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
-from twisted.internet.protocol import Protocol
+from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import HTTPConnectionPool, ResponseDone
@@ -109,9 +109,9 @@ class _Relay(Protocol):
     def abort(self) -> None:
         """The client went away: close the upstream connection."""
         if self.transport is not None:
-            self.transport.stopProducing()
+            self.transport.stopProducing()  # type: ignore[attr-defined]  # a TransportProxyProducer
 
-    def connectionLost(self, reason: Failure) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         try:
             self._request.unregisterProducer()
         except Exception:
@@ -277,4 +277,4 @@ def _describe(failure: Failure) -> str:
     reasons = getattr(failure.value, "reasons", None)
     if reasons:
         return "; ".join(r.getErrorMessage() for r in reasons)
-    return failure.getErrorMessage() or failure.type.__name__
+    return failure.getErrorMessage() or getattr(failure.type, "__name__", "error")

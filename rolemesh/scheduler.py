@@ -36,6 +36,12 @@ DONE = "done"
 CANCELLED = "cancelled"
 
 
+#: The model id of an unload ticket: starting it is a switch to "no model", so
+#: an unload waits for in-flight requests exactly like a switch does.  Config
+#: never allows an empty model id.
+UNLOAD = ""
+
+
 class QueueFull(Exception):
     """Every eligible device already holds its limit of pending requests."""
 

@@ -1,0 +1,88 @@
+"""Operator routes that warm or free a device, and the listener's 413 path:
+the same queue and switch rules as requests."""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+from rolemesh.node import Lease
+from rolemesh.supervisor import READY, STOPPED, STOPPING
+from tests.test_api import ApiTestCase
+
+
+class LoadUnloadTests(ApiTestCase):
+    top = {"max_pending_requests_per_device": 2}
+
+    def test_load_then_unload(self) -> None:
+        h = self.h
+        d = h.send("POST", "/v1/node/devices/gpu:0/load", {"model": "a"})
+        h.node_h.answer("alpha")
+        answer = h.finish(d)
+        self.assertEqual(answer.code, 200, answer.body)
+        self.assertEqual((answer.json()["model"], answer.json()["state"]), ("a", READY))
+        d = h.send("POST", "/v1/node/devices/gpu:0/unload")
+        h.treq.flush()
+        self.assertEqual(h.node_h.sup().state, STOPPING)
+        h.node_h.reap()
+        answer = h.finish(d)
+        self.assertEqual((answer.code, answer.json()["state"]), (200, STOPPED))
+        self.assertIsNone(h.node.scheduler.devices["gpu:0"].model)
+
+    def test_load_by_role(self) -> None:
+        d = self.h.send("POST", "/v1/node/devices/gpu:0/load", {"model": "summarize"})
+        self.h.node_h.answer("b")
+        self.assertEqual(self.h.finish(d).json()["model"], "b")
+
+    def test_unload_waits_for_in_flight_requests(self) -> None:
+        h = self.h
+        h.node_h.load("a")
+        held: List[Any] = []
+        h.node.acquire(h.node_h.model("a")).addCallback(held.append)
+        self.assertIsInstance(held[0], Lease)
+        d = h.send("POST", "/v1/node/devices/gpu:0/unload")
+        h.treq.flush()
+        self.assertEqual(h.node_h.sup().state, READY, "not stopped under a request in flight")
+        held[0].release()
+        self.assertEqual(h.node_h.sup().state, STOPPING)
+        h.node_h.reap()
+        self.assertEqual(h.finish(d).code, 200)
+
+    def test_unload_of_stopped_device(self) -> None:
+        self.assertEqual(self.h.call("POST", "/v1/node/devices/gpu:0/unload").code, 200)
+
+    def test_unknown_device_and_model(self) -> None:
+        self.assertError(self.h.call("POST", "/v1/node/devices/gpu:9/load", {"model": "a"}), 404, "device_not_found")
+        self.assertError(self.h.call("POST", "/v1/node/devices/gpu:9/unload"), 404, "device_not_found")
+        self.assertError(self.h.call("POST", "/v1/node/devices/gpu:0/load", {"model": "zz"}), 404, "model_not_found")
+        self.assertError(self.h.call("POST", "/v1/node/devices/gpu:0/load", b"[]"), 400)
+
+    def test_load_queue_full_is_429(self) -> None:
+        h = self.h
+        h.node_h.load("a")
+        for _ in range(2):
+            h.node.acquire(h.node_h.model("a"))
+        answer = h.call("POST", "/v1/node/devices/gpu:0/load", {"model": "b"})
+        self.assertError(answer, 429, "queue_full")
+        self.assertError(h.call("POST", "/v1/node/devices/gpu:0/unload"), 429, "queue_full")
+
+
+class AuthOnOperatorRoutesTests(ApiTestCase):
+    keys = ("k1",)
+
+    def test_key_required(self) -> None:
+        self.assertError(self.h.call("POST", "/v1/node/devices/gpu:0/unload", key=None), 401, "invalid_api_key")
+        self.assertEqual(self.h.call("POST", "/v1/node/devices/gpu:0/unload").code, 200)
+
+
+class BodyDiscardedByListenerTests(ApiTestCase):
+    def test_body_too_large_flag_is_413(self) -> None:
+        from twisted.web.test.requesthelper import DummyRequest
+
+        request = DummyRequest([b""])
+        request.body_too_large = True  # what rolemesh.listener.LimitedRequest sets
+        error = None
+        try:
+            self.h.api._body(request)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        self.assertEqual((error.status, error.code), (413, "request_too_large"))  # type: ignore[union-attr]
