@@ -25,6 +25,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from rolemesh import __version__
+from rolemesh.http_client import quiet_treq
 from rolemesh.payloads import deregistration_payload
 
 REGISTER_PATH = "/v1/nodes/register"
@@ -115,19 +116,10 @@ def _default_http(reactor: Any, timeout: float) -> Any:
     Non-persistent connections: one short request every few seconds does not
     need a pool, a POST on a stale kept-alive connection would fail (and read
     as an outage), and nothing lingers on the reactor after shutdown.  The
-    connection factory is made quiet so each beat does not log
-    "Starting factory" / "Stopping factory".
+    connections are quiet so each beat does not log "Starting factory" /
+    "Stopping factory".
     """
-    from treq.client import HTTPClient
-    from twisted.web.client import Agent, HTTPConnectionPool
-
-    pool = HTTPConnectionPool(reactor, persistent=False)
-    factory = getattr(pool, "_factory", None)
-    if isinstance(factory, type):
-        quiet: Any = type("QuietHTTP11ClientFactory", (factory,), {"noisy": False})
-        pool._factory = quiet
-    agent: Any = Agent(reactor, connectTimeout=timeout, pool=pool)
-    return HTTPClient(agent)
+    return quiet_treq(reactor, persistent=False, connect_timeout=timeout)
 
 
 def _without_userinfo(url: str) -> str:

@@ -29,6 +29,7 @@ from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import implementer
 
 from rolemesh import errors
+from rolemesh.http_client import quiet_agent, quiet_pool
 
 log = Logger()
 
@@ -140,12 +141,10 @@ class Proxy:
     @property
     def agent(self) -> Any:
         if self._agent is None:
-            from twisted.web.client import Agent
-
-            self._pool = HTTPConnectionPool(self.reactor, persistent=True)
+            self._pool = quiet_pool(self.reactor, persistent=True)
             self._pool.maxPersistentPerHost = self._max_per_host
             self._pool.retryAutomatically = False
-            self._agent = Agent(self.reactor, pool=self._pool)
+            self._agent = quiet_agent(self.reactor, persistent=True, pool=self._pool)
         return self._agent
 
     def close(self) -> "Deferred[None]":

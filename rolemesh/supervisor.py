@@ -98,22 +98,20 @@ def wrap_argv(argv: List[str], parent_pid: int, cpus: Tuple[int, ...] = ()) -> L
     return wrapper + ["--"] + list(argv)
 
 
-def http_probe(http: Any = None, timeout: float = 2.0) -> Callable[[str, str], "Deferred[bool]"]:
+def http_probe(http: Any, timeout: float = 2.0) -> Callable[[str, str], "Deferred[bool]"]:
     """A readiness probe: ``GET /health`` is 200 and ``GET /v1/models`` lists
-    the model under its served name."""
+    the model under its served name.  ``http`` is a treq-like client."""
 
     def probe(base_url: str, served_name: str) -> "Deferred[bool]":
         client = http
-        if client is None:
-            import treq as client
 
         @defer.inlineCallbacks
         def run():
-            response = yield client.get(base_url + "/health", timeout=timeout, persistent=False)
+            response = yield client.get(base_url + "/health", timeout=timeout)
             yield response.content()
             if response.code != 200:
                 return False
-            response = yield client.get(base_url + "/v1/models", timeout=timeout, persistent=False)
+            response = yield client.get(base_url + "/v1/models", timeout=timeout)
             if response.code != 200:
                 yield response.content()
                 return False
@@ -190,7 +188,7 @@ class DeviceSupervisor(Service):
         self._config = config
         self._binary = binary
         self._reactor = reactor
-        self._probe_fn = probe or http_probe()
+        self._probe = probe
         self._pick_port = pick_port
         self._signal_group = signal_group
         self._pidfiles = pidfiles
@@ -238,6 +236,14 @@ class DeviceSupervisor(Service):
 
             self._reactor = reactor
         return self._reactor
+
+    @property
+    def _probe_fn(self) -> Callable[[str, str], "Deferred[bool]"]:
+        if self._probe is None:
+            from rolemesh.http_client import quiet_treq
+
+            self._probe = http_probe(quiet_treq(self.reactor, persistent=False, connect_timeout=2.0))
+        return self._probe
 
     def subscribe(self, listener: Callable[["DeviceSupervisor"], None]) -> None:
         """Call ``listener(self)`` after every state change."""

@@ -366,3 +366,39 @@ class PureTests(SynchronousTestCase):
         self.assertEqual(argv[argv.index("--parent") + 1], "42")
         self.assertEqual(argv[argv.index("--cpus") + 1], "2,3")
         self.assertEqual(argv[argv.index("--") + 1:], ["/bin/llama-server", "--port", "1"])
+
+
+class HttpProbeTests(SynchronousTestCase):
+    """The real readiness probe against an in-memory llama-server stand-in."""
+
+    def probe(self, health, models):
+        import json
+
+        from treq.testing import StubTreq
+        from twisted.web.resource import Resource
+
+        from rolemesh.supervisor import http_probe
+
+        class Stub(Resource):
+            isLeaf = True
+
+            def render_GET(self, request):
+                if request.path == b"/health":
+                    request.setResponseCode(health)
+                    return b'{"status": "ok"}' if health == 200 else b'{"error": {"message": "Loading model"}}'
+                return json.dumps({"object": "list", "data": models}).encode()
+
+        stub = StubTreq(Stub())
+        d = http_probe(stub)("http://127.0.0.1:1234", "alpha")
+        stub.flush()
+        return self.successResultOf(d)
+
+    def test_loading_is_not_ready(self):
+        self.assertFalse(self.probe(503, [{"id": "alpha"}]))
+
+    def test_ready_when_listed_by_id_or_alias(self):
+        self.assertTrue(self.probe(200, [{"id": "alpha"}]))
+        self.assertTrue(self.probe(200, [{"id": "/models/x.gguf", "aliases": ["alpha"]}]))
+
+    def test_other_model_is_not_ready(self):
+        self.assertFalse(self.probe(200, [{"id": "beta"}]))
