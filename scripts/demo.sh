@@ -32,8 +32,8 @@ cat <<TXT
 
 demo: starting the agent on http://127.0.0.1:$port (Ctrl-C stops it and its llama-server).
 demo: try, from another shell:
-  curl -s http://127.0.0.1:$port/v1/chat/completions -H 'Content-Type: application/json' \\
-       -d '{"model": "gemma3-270m", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 32}'
+  curl -s http://127.0.0.1:$port/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "gemma3-270m", "prompt": "The longest rivers in Europe are", "max_tokens": 32}'
 
 TXT
 exec "$venv/bin/rolemesh-node-agent" --config configs/demo.yaml --config-override configs/demo.local.yaml
