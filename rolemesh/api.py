@@ -8,6 +8,7 @@ error leaves here in OpenAI's shape (``{"error": {"message", "type",
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import re
@@ -24,7 +25,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from rolemesh import errors
 from rolemesh.config import NodeConfig
 from rolemesh.node import Node
-from rolemesh.proxy import CLIENT_GONE, TRUNCATED, Proxy
+from rolemesh.proxy import CLIENT_GONE, TRUNCATED, Proxy, UpstreamUnreachable
 from rolemesh.supervisor import READY
 
 log = Logger()
@@ -330,15 +331,28 @@ class NodeAPI:
             streaming = payload.get("stream") is True
             lease = yield self.node.acquire(model)
             try:
-                outcome = yield self.proxy.forward(
+                forward = functools.partial(
+                    self.proxy.forward,
                     request,
-                    lease.endpoint.base_url,
-                    path,
-                    body,
-                    streaming,
+                    path=path,
+                    body=body,
+                    streaming=streaming,
                     timeout=None if streaming else self.config.request_timeout_s,
                     on_first_byte=lambda: first_byte.append(time.monotonic() - started),
                 )
+                try:
+                    outcome = yield forward(base_url=lease.endpoint.base_url)
+                except UpstreamUnreachable as e:
+                    # Nothing was sent: the child died a moment ago.  Have the
+                    # supervisor notice, start a fresh one, and try once more.
+                    log.warn("llama-server on {device} unreachable ({error}); retrying on a fresh child",
+                             device=lease.device, error=str(e))
+                    yield lease.supervisor.restart_if_unhealthy(after="a refused connection")
+                    fresh = yield lease.supervisor.ensure(model)
+                    try:
+                        outcome = yield forward(base_url=fresh.base_url)
+                    except UpstreamUnreachable as again:
+                        raise again.as_api_error() from None
             except errors.ApiError as e:
                 if e.code == "upstream_timeout":
                     yield lease.supervisor.restart_if_unhealthy()

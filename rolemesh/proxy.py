@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectError
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -53,6 +54,15 @@ HOP_HEADERS = frozenset(
         b"access-control-allow-origin",
     }
 )
+
+
+class UpstreamUnreachable(Exception):
+    """The child could not even be connected to: nothing was sent, so the
+    request may safely go to a fresh child (the old one has likely died a
+    moment before the supervisor heard of it)."""
+
+    def as_api_error(self) -> errors.ApiError:
+        return errors.upstream_error(f"llama-server failed the request: {self}")
 
 
 @implementer(IBodyProducer)
@@ -260,6 +270,8 @@ class Proxy:
                 # Agent fails a cancelled request with ResponseNeverReceived
                 # ([CancelledError]), not CancelledError: still the client's doing.
                 result.callback(CLIENT_GONE)
+            elif failure.check(ConnectError):
+                result.errback(UpstreamUnreachable(_describe(failure)))
             else:
                 result.errback(errors.upstream_error(f"llama-server failed the request: {_describe(failure)}"))
 

@@ -344,8 +344,8 @@ class DeviceSupervisor(Service):
             self._stop_child("stop requested")
         return d
 
-    def restart_if_unhealthy(self) -> "Deferred[bool]":
-        """After an upstream timeout: probe once; a child that fails is stopped
+    def restart_if_unhealthy(self, after: str = "an upstream timeout") -> "Deferred[bool]":
+        """After a failed request: probe once; a child that fails is stopped
         (the next ensure starts a fresh one).  Fires True if it was healthy."""
         endpoint = self.endpoint
         if endpoint is None or self.model is None:
@@ -355,10 +355,10 @@ class DeviceSupervisor(Service):
 
         def judged(ok: Any) -> bool:
             if ok is not True and self.generation == generation and self.state == READY:
-                log.warn("llama-server on {device} failed a health probe after a timeout; restarting",
-                         device=self.name)
+                log.warn("llama-server on {device} failed a health probe after {after}; restarting",
+                         device=self.name, after=after)
                 self.restarts += 1
-                self._stop_child("unhealthy after an upstream timeout")
+                self._stop_child(f"unhealthy after {after}")
                 return False
             return ok is True
 

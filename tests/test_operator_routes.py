@@ -86,3 +86,52 @@ class BodyDiscardedByListenerTests(ApiTestCase):
         except Exception as e:  # noqa: BLE001
             error = e
         self.assertEqual((error.status, error.code), (413, "request_too_large"))  # type: ignore[union-attr]
+
+
+class RefusedConnectionTests(ApiTestCase):
+    """A child that died a moment before the supervisor heard of it: the
+    connection is refused, nothing was sent, so the request goes to a fresh
+    child once."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        from twisted.internet.error import ConnectionRefusedError
+
+        from tests.test_api import json_answer
+
+        self.refusals = 1
+
+        def answer(attempt: Any) -> Any:
+            if self.refusals > 0:
+                self.refusals -= 1
+                attempt.fail(ConnectionRefusedError("127.0.0.1", 1))
+                return None
+            return json_answer(attempt)
+
+        self.h.agent.auto = answer
+
+    def test_refused_once_is_retried_on_a_fresh_child(self) -> None:
+        h = self.h
+        h.node_h.load("a")
+        old_pid = h.node_h.sup().pid
+        h.node_h.probe.ready = set()  # the child is dead: its probe fails
+        d = h.send("POST", "/v1/chat/completions", {"model": "a", "messages": []})
+        h.treq.flush()
+        h.node_h.reap()  # ... so it is stopped and reaped, and a fresh one starts
+        h.node_h.answer("alpha")
+        answer = h.finish(d)
+        self.assertEqual(answer.code, 200, answer.body)
+        self.assertNotEqual(h.node_h.sup().pid, old_pid)
+        self.assertEqual(len(h.agent.attempts), 2)
+
+    def test_refused_twice_is_502(self) -> None:
+        h = self.h
+        self.refusals = 2
+        h.node_h.load("a")
+        h.node_h.probe.ready = set()
+        d = h.send("POST", "/v1/chat/completions", {"model": "a", "messages": []})
+        h.treq.flush()
+        h.node_h.reap()
+        h.node_h.answer("alpha")
+        self.assertError(h.finish(d), 502, "upstream_error")
+        self.assertTrue(h.node.scheduler.is_idle("gpu:0"), "the slot was released")

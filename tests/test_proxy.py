@@ -31,6 +31,7 @@ from rolemesh.proxy import (
     TRUNCATED,
     BytesProducer,
     Proxy,
+    UpstreamUnreachable,
     sse_error_event,
 )
 
@@ -360,10 +361,11 @@ class UpstreamFailureTests(ProxyTestCase):
         self.assertEqual(self.request.body, b'{"choi', "nothing appended to a JSON answer")
         self.assertEqual(len(self.agent.attempts), 1)
 
-    def test_connection_refused_is_502(self) -> None:
+    def test_connection_refused_is_unreachable_then_502(self) -> None:
         d = self.forward()
         self.agent.last.fail(ConnectionRefusedError("127.0.0.1", 20000))
-        error = self.failureResultOf(d, errors.ApiError).value
+        unreachable = self.failureResultOf(d, UpstreamUnreachable).value
+        error = unreachable.as_api_error()
         self.assertEqual((error.status, error.code, error.type), (502, "upstream_error", "server_error"))
         self.assertIn("llama-server", error.message)
         self.assertEqual(len(self.agent.attempts), 1, "refused is not a stale connection")
@@ -428,7 +430,7 @@ class TimeoutTests(ProxyTestCase):
     def test_deadline_timer_is_cancelled_on_failure(self) -> None:
         d = self.forward(timeout=5)
         self.agent.last.fail(ConnectionRefusedError())
-        self.failureResultOf(d, errors.ApiError)
+        self.failureResultOf(d, UpstreamUnreachable)
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
     def test_streams_have_no_deadline(self) -> None:
