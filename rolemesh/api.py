@@ -306,10 +306,13 @@ class NodeAPI:
         request.setHeader(b"x-request-id", rid.encode("ascii"))
         return rid
 
-    def _observe(self, **fields: Any) -> None:
+    def _record(self, fields: Dict[str, Any]) -> None:
+        log.info("POST /v1/{endpoint} {model} -> {status} on {device} in {duration_ms:.1f} ms",
+                 duration_ms=fields["duration"] * 1000, **fields)
+        observed = {k: v for k, v in fields.items() if k not in ("device", "request_id")}
         for observer in self.observers:
             try:
-                observer("request", **fields)
+                observer("request", **observed)
             except Exception:
                 log.failure("request observer failed")
 
@@ -318,6 +321,7 @@ class NodeAPI:
         started = time.monotonic()
         rid = self._request_id(request)
         model_id: Optional[str] = None
+        device: Optional[str] = None
         status = 500
         first_byte: list = []
         try:
@@ -337,7 +341,7 @@ class NodeAPI:
                     path=path,
                     body=body,
                     streaming=streaming,
-                    timeout=None if streaming else self.config.request_timeout_s,
+                    timeout=self.config.request_timeout_s,
                     on_first_byte=lambda: first_byte.append(time.monotonic() - started),
                 )
                 try:
@@ -360,15 +364,11 @@ class NodeAPI:
             finally:
                 lease.release()
             status = request.code
+            device = lease.device
             if outcome == TRUNCATED:
                 request.loseConnection()
             elif outcome == CLIENT_GONE:
                 status = 499
-            log.info(
-                "{method} {path} {model} -> {status} on {device} in {duration:.1f} ms",
-                method="POST", path=path, model=model_id, status=status, device=lease.device,
-                duration=(time.monotonic() - started) * 1000, request_id=rid,
-            )
             return None
         except errors.ApiError as e:
             status = e.status
@@ -377,6 +377,8 @@ class NodeAPI:
             status = 499
             raise
         finally:
-            self._observe(endpoint=endpoint, model=model_id, status=status,
-                          duration=time.monotonic() - started, ttfb=first_byte[0] if first_byte else None)
+            # Log and observe once the answer is out, not before its last byte.
+            fields = dict(endpoint=endpoint, model=model_id, status=status, duration=time.monotonic() - started,
+                          ttfb=first_byte[0] if first_byte else None, device=device, request_id=rid)
+            request.notifyFinish().addBoth(lambda _: self._record(fields))
 

@@ -188,7 +188,7 @@ class Proxy:
         url = (base_url + path).encode("ascii")
         headers = Headers({b"content-type": [content_type], b"accept": [b"*/*"]})
         relay: list = []
-        state = {"timed_out": False, "cancelled": False}
+        state = {"timed_out": False, "cancelled": False, "retried": False}
 
         def cancel(d: Deferred) -> None:
             state["cancelled"] = True
@@ -202,14 +202,18 @@ class Proxy:
 
         def retry_stale(failure: Failure) -> Any:
             if _never_sent(failure) and not result.called and not state["cancelled"]:
+                state["retried"] = True
                 log.debug("retrying on a fresh connection after {error}", error=failure.value)
                 return self._send(url, body, headers)
             return failure
 
         upstream.addErrback(retry_stale)
 
+        # A non-streaming answer must be complete by the deadline; a stream
+        # must have begun by then (a hung child would otherwise hold the slot
+        # for ever), after which it may run as long as it produces.
         timer = None
-        if timeout is not None and not streaming:
+        if timeout is not None:
 
             def expire() -> None:
                 state["timed_out"] = True
@@ -223,6 +227,8 @@ class Proxy:
             return r
 
         def got_response(response: IResponse) -> "Deferred[Any]":
+            if streaming:
+                stop_timer(None)
             request.setResponseCode(response.code, response.phrase)
             for name, values in response.headers.getAllRawHeaders():
                 if name.lower() not in HOP_HEADERS:
@@ -261,7 +267,8 @@ class Proxy:
                 result.errback(
                     errors.ApiError(
                         504,
-                        f"llama-server did not answer within {timeout:g}s (request_timeout_s)",
+                        f"llama-server did not {'start its stream' if streaming else 'answer'} within "
+                        f"{timeout:g}s (request_timeout_s)",
                         "server_error",
                         "upstream_timeout",
                     )
@@ -270,7 +277,9 @@ class Proxy:
                 # Agent fails a cancelled request with ResponseNeverReceived
                 # ([CancelledError]), not CancelledError: still the client's doing.
                 result.callback(CLIENT_GONE)
-            elif failure.check(ConnectError):
+            elif failure.check(ConnectError) and not state["retried"]:
+                # Refused at the first attempt: nothing reached llama-server.
+                # (Refused on the retry means it died under our request: 502.)
                 result.errback(UpstreamUnreachable(_describe(failure)))
             else:
                 result.errback(errors.upstream_error(f"llama-server failed the request: {_describe(failure)}"))

@@ -60,10 +60,14 @@ LOG_LINES = 1000
 ERROR_TAIL_LINES = 12
 #: A child up at least this long before it fails starts a fresh failure count.
 STABLE_AFTER_S = 30.0
+#: While stopping, SIGTERM is repeated this often until the grace is over.
+TERM_REPEAT_S = 0.25
 #: How often a port collision between pick and bind is retried.
 BIND_RETRIES = 3
 #: Output that means the child is about to answer; it triggers a probe at once.
 _READY_HINTS = (b"listening on http", b"model loaded", b"all slots are idle")
+#: llama-server's warning/error lines (``0.00.005.256 W srv ...``) and crashes.
+_IMPORTANT = re.compile(rb"^\s*[\d.]+ [WE] |error|failed|assert|abort", re.IGNORECASE)
 _BIND_FAILURE = re.compile(r"couldn't bind|address already in use", re.IGNORECASE)
 
 
@@ -76,6 +80,11 @@ def restart_delay(failures: int, base: float = 1.0, cap: float = 60.0) -> float:
     if failures <= 1:
         return 0.0
     return min(cap, base * 2.0 ** (failures - 2))
+
+
+def _retry_after(failures: int) -> int:
+    """Retry-After seconds to announce after ``failures`` in a row."""
+    return max(1, int(restart_delay(failures) + 0.999))
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
@@ -218,6 +227,7 @@ class DeviceSupervisor(Service):
         self._probe_in_flight: Optional[Deferred] = None
         self._startup_timer: Any = None
         self._kill_timer: Any = None
+        self._term_deadline = 0.0
         self._started_at = 0.0
         self._ready_at: Optional[float] = None
         self._bind_retries = 0
@@ -487,9 +497,15 @@ class DeviceSupervisor(Service):
     def _child_output(self, generation: int, fd: int, line: bytes) -> None:
         text = line.decode("utf-8", "replace")
         self.logs.append(text)
-        model = self.model.model_id if self.model else None
-        log.info("{device} {model}: {line}", device=self.name, model=model, line=text, stream=fd)
-        if generation == self.generation and self.state == STARTING and any(h in line for h in _READY_HINTS):
+        starting = generation == self.generation and self.state == STARTING
+        # Every line goes to the ring buffer (the logs endpoint, error tails).
+        # The log gets all of a start and a stop, but from a ready child only
+        # warnings and errors: llama-server prints ~9 lines per request, and
+        # logging each costs more CPU than relaying the request.
+        if self.state != READY or _IMPORTANT.search(line):
+            model = self.model.model_id if self.model else None
+            log.info("{device} {model}: {line}", device=self.name, model=model, line=text, stream=fd)
+        if starting and any(h in line for h in _READY_HINTS):
             self._probe_once()
 
     def _tail_for_error(self) -> str:
@@ -547,9 +563,9 @@ class DeviceSupervisor(Service):
                 self._spawn()
                 return
             message = f"llama-server for model {model.model_id!r} {how} while loading on {self.name}{tail}"
-            self._record_failure()
+            failures = self._record_failure()
             self.load_failures += 1
-            self._load_failed(errors.model_load_failed(message))
+            self._load_failed(errors.model_load_failed(message, retry_after=_retry_after(failures)))
         elif was == READY:
             failures = self._record_failure()
             self.crashes += 1
@@ -612,7 +628,20 @@ class DeviceSupervisor(Service):
             self._signal(signal.SIGKILL)
             return
         self._signal(signal.SIGTERM)
-        self._kill_timer = self.reactor.callLater(self._config.llama_server_stop_timeout_s, self._escalate)
+        self._term_deadline = self.reactor.seconds() + self._config.llama_server_stop_timeout_s
+        self._kill_timer = self.reactor.callLater(
+            min(TERM_REPEAT_S, self._config.llama_server_stop_timeout_s), self._terminate_again
+        )
+
+    def _terminate_again(self) -> None:
+        """SIGTERM again until the grace is over, then SIGKILL: a child that
+        has just become ready sometimes misses the first SIGTERM."""
+        remaining = self._term_deadline - self.reactor.seconds()
+        if remaining <= 1e-9:
+            self._escalate()
+            return
+        self._signal(signal.SIGTERM)
+        self._kill_timer = self.reactor.callLater(min(TERM_REPEAT_S, remaining), self._terminate_again)
 
     def _escalate(self) -> None:
         self._kill_timer = None

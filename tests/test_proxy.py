@@ -427,16 +427,24 @@ class TimeoutTests(ProxyTestCase):
         self.successResultOf(d)
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
+    def test_stream_that_never_begins_times_out(self) -> None:
+        d = self.forward(streaming=True, timeout=5)
+        self.clock.advance(5)
+        error = self.failureResultOf(d, errors.ApiError).value
+        self.assertEqual((error.status, error.code), (504, "upstream_timeout"))
+        self.assertIn("start its stream", error.message)
+
     def test_deadline_timer_is_cancelled_on_failure(self) -> None:
         d = self.forward(timeout=5)
         self.agent.last.fail(ConnectionRefusedError())
         self.failureResultOf(d, UpstreamUnreachable)
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
-    def test_streams_have_no_deadline(self) -> None:
+    def test_streams_have_no_deadline_once_begun(self) -> None:
         d = self.forward(streaming=True, timeout=5)
-        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.clock.advance(4)
         response = self.agent.last.respond(self.event_stream())
+        self.assertEqual(self.clock.getDelayedCalls(), [])
         self.clock.advance(10000)
         self.assertNoResult(d)
         self.assertEqual(response.transport.stopped, 0)

@@ -201,10 +201,12 @@ class StateMachineTests(SynchronousTestCase):
         h.make_ready("a")
         pid = h.reactor.last.pid
         d = h.sup.stop()
-        h.reactor.advance(4.9)
-        self.assertEqual(h.signals.calls, [(pid, signal.SIGTERM)])
-        h.reactor.advance(0.1)
-        self.assertEqual(h.signals.calls, [(pid, signal.SIGTERM), (pid, signal.SIGKILL)])
+        h.reactor.pump([0.25] * 19)  # 4.75 s: SIGTERM repeated, no SIGKILL yet
+        self.assertEqual({sig for _, sig in h.signals.calls}, {signal.SIGTERM})
+        self.assertEqual(len(h.signals.calls), 20, "SIGTERM repeated every 0.25 s (a fresh child may miss one)")
+        h.reactor.advance(0.25)
+        self.assertEqual(h.signals.calls[-1], (pid, signal.SIGKILL))
+        self.assertEqual(sum(1 for _, sig in h.signals.calls if sig == signal.SIGKILL), 1)
         self.assertNoResult(d)
         h.reactor.last.exit(signal=signal.SIGKILL)
         self.successResultOf(d)
@@ -402,3 +404,26 @@ class HttpProbeTests(SynchronousTestCase):
 
     def test_other_model_is_not_ready(self):
         self.assertFalse(self.probe(200, [{"id": "beta"}]))
+
+
+class ChildLogTests(SynchronousTestCase):
+    """Child output: all of it in the ring buffer; in the agent's log, all of a
+    start but only warnings and errors from a ready child."""
+
+    def lines_logged(self, h, text):
+        from twisted.logger import capturedLogs
+
+        with capturedLogs() as events:
+            h.reactor.last.output(text)
+        return [e["line"] for e in events if "line" in e]
+
+    def test_filter(self):
+        h = Harness()
+        h.sup.ensure(h.a)
+        self.assertEqual(self.lines_logged(h, "0.00.001 I srv  load_model: loading\n"),
+                         ["0.00.001 I srv  load_model: loading"])
+        h.make_ready("a")
+        self.assertEqual(self.lines_logged(h, "0.01.000 I slot launch_slot_: id 0 | task 1\n"), [])
+        self.assertEqual(self.lines_logged(h, "0.01.001 W srv  something odd\n"), ["0.01.001 W srv  something odd"])
+        self.assertEqual(len(self.lines_logged(h, "GGML_ASSERT(x) failed\n")), 1)
+        self.assertIn("0.01.000 I slot launch_slot_: id 0 | task 1", h.sup.logs)

@@ -309,6 +309,23 @@ class ChildFaultTests(FaultTestCase):
         self.assertIn("sending SIGKILL", log)
         self.stop_and_assert_no_orphans(agent)
 
+    def test_sigstopped_child_stream_that_never_begins_times_out(self) -> None:
+        agent = self.start_agent(self.real_config(request_timeout_s=1, llama_server_stop_timeout_s=1))
+        self.assert_chat_ok(agent)
+        before = self.device(agent)
+        pid, started = before["pid"], _start_time(before["pid"])
+
+        def resume() -> None:
+            if self._same_process_alive(pid, started):
+                os.kill(pid, signal.SIGCONT)
+
+        self.addCleanup(resume)
+        os.kill(pid, signal.SIGSTOP)
+        self.assert_error(self.chat(agent, stream=True), 504, "upstream_timeout")
+        wait_until(lambda: not pid_alive(pid), 10, what="the stopped child killed")
+        self.assert_chat_ok(agent)
+        self.stop_and_assert_no_orphans(agent)
+
 
 class PortCollisionTests(FaultTestCase):
     def test_port_taken_between_pick_and_bind_is_retried(self) -> None:

@@ -200,8 +200,8 @@ class FakeChildTests(SynchronousTestCase):
         t = threading.Thread(target=lambda: result.append(
             agent.request("POST", "/v1/chat/completions", {"model": "m", **CHAT})))
         t.start()
-        wait_until(lambda: agent.inventory()["devices"][0]["in_flight"] == 1
-                   and agent.inventory()["devices"][0]["state"] == "ready", 10, what="request in flight")
+        wait_until(lambda: b"hang_requests: holding" in agent.request("GET", "/v1/node/devices/cpu:0/logs")[2],
+                   10, what="the child holding our request")
         os.kill(agent.child_pids()[0], signal.SIGKILL)
         t.join(10)
         status, _, body = result[0]
