@@ -163,6 +163,15 @@ class Proxy:
             return defer.succeed(None)
         return self._pool.closeCachedConnections()
 
+    def _has_idle_connection(self, url: bytes) -> bool:
+        """Whether a request to ``url`` would go out on a kept-alive connection."""
+        if self._pool is None:
+            return False
+        from twisted.web.client import URI
+
+        uri = URI.fromBytes(url)
+        return bool(self._pool._connections.get((uri.scheme, uri.host, uri.port)))
+
     def _send(self, url: bytes, body: bytes, headers: Headers) -> "Deferred[IResponse]":
         return self.agent.request(b"POST", url, headers, BytesProducer(body))
 
@@ -188,7 +197,7 @@ class Proxy:
         url = (base_url + path).encode("ascii")
         headers = Headers({b"content-type": [content_type], b"accept": [b"*/*"]})
         relay: list = []
-        state = {"timed_out": False, "cancelled": False, "retried": False}
+        state = {"timed_out": False, "cancelled": False, "retried": False, "pooled": self._has_idle_connection(url)}
 
         def cancel(d: Deferred) -> None:
             state["cancelled"] = True
@@ -277,9 +286,12 @@ class Proxy:
                 # Agent fails a cancelled request with ResponseNeverReceived
                 # ([CancelledError]), not CancelledError: still the client's doing.
                 result.callback(CLIENT_GONE)
-            elif failure.check(ConnectError) and not state["retried"]:
-                # Refused at the first attempt: nothing reached llama-server.
-                # (Refused on the retry means it died under our request: 502.)
+            elif failure.check(ConnectError) and (not state["retried"] or state["pooled"]):
+                # Refused at once: nothing reached llama-server.  Refused after
+                # a kept-alive connection failed: the child died, most likely
+                # while that connection sat idle.  Either way a fresh child
+                # may take the request.  (Refused after a fresh connection
+                # failed: it died holding our request -- 502.)
                 result.errback(UpstreamUnreachable(_describe(failure)))
             else:
                 result.errback(errors.upstream_error(f"llama-server failed the request: {_describe(failure)}"))

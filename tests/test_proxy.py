@@ -520,6 +520,27 @@ class StaleConnectionTests(ProxyTestCase):
         self.assertEqual(self.successResultOf(d), COMPLETE)
         self.assertEqual(self.request.body, b"{}")
 
+    def test_idle_kept_alive_connection_then_refused_is_unreachable(self) -> None:
+        """The child died while our kept-alive connection sat idle: a fresh
+        child may take the request."""
+        from types import SimpleNamespace
+
+        from twisted.web.client import URI
+
+        uri = URI.fromBytes(BASE.encode() + b"/v1/chat/completions")
+        self.proxy._pool = SimpleNamespace(_connections={(uri.scheme, uri.host, uri.port): [object()]})
+        d = self.forward()
+        self.agent.attempts[0].fail(ResponseNeverReceived([Failure(ConnectionDone())]))
+        self.agent.attempts[1].fail(ConnectionRefusedError())
+        self.failureResultOf(d, UpstreamUnreachable)
+
+    def test_fresh_connection_lost_then_refused_is_502(self) -> None:
+        """The child died holding our request: 502, not a retry elsewhere."""
+        d = self.forward()
+        self.agent.attempts[0].fail(ResponseNeverReceived([Failure(ConnectionDone())]))
+        self.agent.attempts[1].fail(ConnectionRefusedError())
+        self.assertEqual(self.failureResultOf(d, errors.ApiError).value.status, 502)
+
     def test_request_not_sent_is_retried(self) -> None:
         d = self.forward()
         self.agent.attempts[0].fail(RequestNotSent())
