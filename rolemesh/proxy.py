@@ -212,6 +212,10 @@ class Proxy:
         def retry_stale(failure: Failure) -> Any:
             if _never_sent(failure) and not result.called and not state["cancelled"]:
                 state["retried"] = True
+                if self._pool is not None:
+                    # Other idle connections to that child are as stale as the
+                    # one that failed: the retry must open a fresh one.
+                    self._pool.closeCachedConnections()
                 log.debug("retrying on a fresh connection after {error}", error=failure.value)
                 return self._send(url, body, headers)
             return failure

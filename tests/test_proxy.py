@@ -528,7 +528,8 @@ class StaleConnectionTests(ProxyTestCase):
         from twisted.web.client import URI
 
         uri = URI.fromBytes(BASE.encode() + b"/v1/chat/completions")
-        self.proxy._pool = SimpleNamespace(_connections={(uri.scheme, uri.host, uri.port): [object()]})
+        self.proxy._pool = SimpleNamespace(_connections={(uri.scheme, uri.host, uri.port): [object()]},
+                                           closeCachedConnections=lambda: None)
         d = self.forward()
         self.agent.attempts[0].fail(ResponseNeverReceived([Failure(ConnectionDone())]))
         self.agent.attempts[1].fail(ConnectionRefusedError())
