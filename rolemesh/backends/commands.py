@@ -280,6 +280,11 @@ class Reading:
     temperature_c: Optional[float] = None
     power_w: Optional[float] = None
 
+    def ref(self, backend: str, vendor: str) -> DeviceRef:
+        """This reading as the ``gpu:<index>`` device it describes."""
+        return DeviceRef(backend=backend, index=self.index, name=f"gpu:{self.index}", uuid=self.uuid,
+                         vendor=vendor, model=self.name, memory_total_bytes=self.memory_total_bytes)
+
     def metrics(self, device: DeviceRef, sampled_at: float) -> DeviceMetrics:
         """This reading as ``device``'s metrics; a missing used/free is derived from the total."""
         total = self.memory_total_bytes if self.memory_total_bytes is not None else device.memory_total_bytes

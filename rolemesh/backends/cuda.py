@@ -147,17 +147,7 @@ def devices_from_smi(readings: Sequence[Reading], migs: Sequence[MigEntry]) -> L
     for r in readings:
         children = [m for m in migs if m.parent_index == r.index]
         if not children:
-            out.append(
-                DeviceRef(
-                    backend="cuda",
-                    index=r.index,
-                    name=f"gpu:{r.index}",
-                    uuid=r.uuid,
-                    vendor="NVIDIA",
-                    model=r.name,
-                    memory_total_bytes=r.memory_total_bytes,
-                )
-            )
+            out.append(r.ref("cuda", "NVIDIA"))
             continue
         for m in children:
             out.append(

@@ -180,15 +180,7 @@ def parse_rocm_smi(text: str) -> List[Reading]:
 def devices_from_readings(readings: Sequence[Reading]) -> List[DeviceRef]:
     """``gpu:<i>`` DeviceRefs for AMD readings."""
     return [
-        DeviceRef(
-            backend="rocm",
-            index=r.index,
-            name=f"gpu:{r.index}",
-            uuid=r.uuid,
-            vendor="AMD",
-            model=r.name,
-            memory_total_bytes=r.memory_total_bytes,
-        )
+        r.ref("rocm", "AMD")
         for r in readings
     ]
 
