@@ -334,6 +334,7 @@ class NodeAPI:
             model_id = model.model_id
             streaming = payload.get("stream") is True
             lease = yield self.node.acquire(model)
+            device = lease.device
             try:
                 forward = functools.partial(
                     self.proxy.forward,
@@ -364,7 +365,6 @@ class NodeAPI:
             finally:
                 lease.release()
             status = request.code
-            device = lease.device
             if outcome == TRUNCATED:
                 request.loseConnection()
             elif outcome == CLIENT_GONE:
