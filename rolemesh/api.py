@@ -34,6 +34,9 @@ log = Logger()
 MAX_MODEL_NAME = 256
 #: Lines the logs endpoint returns at most.
 MAX_LOG_TAIL = 1000
+#: The request log line and metrics wait this long after the answer, so the
+#: reactor flushes the answer to the client before spending time on them.
+RECORD_DELAY_S = 0.002
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _CREATED = int(time.time())
 
@@ -380,5 +383,5 @@ class NodeAPI:
             # Log and observe once the answer is out, not before its last byte.
             fields = dict(endpoint=endpoint, model=model_id, status=status, duration=time.monotonic() - started,
                           ttfb=first_byte[0] if first_byte else None, device=device, request_id=rid)
-            request.notifyFinish().addBoth(lambda _: self._record(fields))
+            request.notifyFinish().addBoth(lambda _: self.node.reactor.callLater(RECORD_DELAY_S, self._record, fields))
 

@@ -66,8 +66,10 @@ TERM_REPEAT_S = 0.25
 BIND_RETRIES = 3
 #: Output that means the child is about to answer; it triggers a probe at once.
 _READY_HINTS = (b"listening on http", b"model loaded", b"all slots are idle")
-#: llama-server's warning/error lines (``0.00.005.256 W srv ...``) and crashes.
-_IMPORTANT = re.compile(rb"^\s*[\d.]+ [WE] |error|failed|assert|abort", re.IGNORECASE)
+#: llama-server's error lines (``0.00.005.256 E srv ...``) and crashes.  Its
+#: warnings are mostly per-request noise (prompt-cache notes); they stay in
+#: the ring buffer that the logs endpoint serves.
+_IMPORTANT = re.compile(rb"^\s*[\d.]+ E |error|failed|assert|abort", re.IGNORECASE)
 _BIND_FAILURE = re.compile(r"couldn't bind|address already in use", re.IGNORECASE)
 
 
@@ -500,8 +502,8 @@ class DeviceSupervisor(Service):
         starting = generation == self.generation and self.state == STARTING
         # Every line goes to the ring buffer (the logs endpoint, error tails).
         # The log gets all of a start and a stop, but from a ready child only
-        # warnings and errors: llama-server prints ~9 lines per request, and
-        # logging each costs more CPU than relaying the request.
+        # errors: llama-server prints ~9 lines per request, and logging each
+        # costs more CPU than relaying the request.
         if self.state != READY or _IMPORTANT.search(line):
             model = self.model.model_id if self.model else None
             log.info("{device} {model}: {line}", device=self.name, model=model, line=text, stream=fd)

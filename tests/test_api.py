@@ -11,7 +11,7 @@ from twisted.internet import defer
 from twisted.internet.error import ConnectionRefusedError
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.api import MAX_LOG_TAIL, MAX_MODEL_NAME, NodeAPI, parse_body
+from rolemesh.api import MAX_LOG_TAIL, MAX_MODEL_NAME, RECORD_DELAY_S, NodeAPI, parse_body
 from rolemesh.errors import ApiError
 from rolemesh.proxy import Proxy
 from rolemesh.supervisor import READY, STARTING, STOPPING
@@ -57,17 +57,23 @@ class ApiHarness:
         self.reactor = self.node_h.reactor
         self.agent = FakeAgent(auto=json_answer if auto else None)
         self.proxy = Proxy(reactor=self.reactor, agent=self.agent)
-        self.observed: List[Dict[str, Any]] = []
+        self._observed: List[Dict[str, Any]] = []
         self.api = NodeAPI(
             self.config,
             self.node,
             self.proxy,
             registration=lambda: {"node_id": self.config.node_id},
             render_metrics=lambda: b"# HELP rolemesh_up up\nrolemesh_up 1\n",
-            observers=[lambda event, **fields: self.observed.append(dict(fields, event=event))],
+            observers=[lambda event, **fields: self._observed.append(dict(fields, event=event))],
         )
         self.treq: Any = StubTreq(self.api.resource())
         self.keys = list(keys)
+
+    @property
+    def observed(self) -> List[Dict[str, Any]]:
+        """What the observers saw; they are told a moment after each answer."""
+        self.reactor.advance(RECORD_DELAY_S)
+        return self._observed
 
     def send(self, method: str, path: str, body: Any = None, headers: Optional[Dict[str, Any]] = None,
              key: Optional[str] = "default") -> defer.Deferred:

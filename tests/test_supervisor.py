@@ -408,7 +408,7 @@ class HttpProbeTests(SynchronousTestCase):
 
 class ChildLogTests(SynchronousTestCase):
     """Child output: all of it in the ring buffer; in the agent's log, all of a
-    start but only warnings and errors from a ready child."""
+    start but only errors from a ready child."""
 
     def lines_logged(self, h, text):
         from twisted.logger import capturedLogs
@@ -424,6 +424,7 @@ class ChildLogTests(SynchronousTestCase):
                          ["0.00.001 I srv  load_model: loading"])
         h.make_ready("a")
         self.assertEqual(self.lines_logged(h, "0.01.000 I slot launch_slot_: id 0 | task 1\n"), [])
-        self.assertEqual(self.lines_logged(h, "0.01.001 W srv  something odd\n"), ["0.01.001 W srv  something odd"])
+        self.assertEqual(self.lines_logged(h, "0.01.001 W slot need to evaluate at least 1 token\n"), [])
+        self.assertEqual(self.lines_logged(h, "0.01.002 E srv  something broke\n"), ["0.01.002 E srv  something broke"])
         self.assertEqual(len(self.lines_logged(h, "GGML_ASSERT(x) failed\n")), 1)
         self.assertIn("0.01.000 I slot launch_slot_: id 0 | task 1", h.sup.logs)

@@ -10,7 +10,13 @@ from typing import Any, Dict, List, Optional
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.integration.harness import AgentProcess, require_llama_server, tiny_model, write_fake_llama_server_bin
+from tests.integration.harness import (
+    AgentProcess,
+    require_llama_server,
+    tiny_model,
+    wait_until,
+    write_fake_llama_server_bin,
+)
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 CHAT_PATH = "/v1/chat/completions"
@@ -74,9 +80,12 @@ class FakeChildMetricsTests(SynchronousTestCase):
             t.join(30)
         self.assertEqual(sorted(results), [200, 200, 429])
 
-        families = scrape(agent)
         total = "rolemesh_requests_total"
         chat = "chat/completions"
+        # Requests are counted a moment after their answer went out.
+        wait_until(lambda: value(scrape(agent), "rolemesh_request_duration_seconds_count", model="m",
+                                 endpoint=chat) == 4, 5, what="all four requests counted")
+        families = scrape(agent)
         self.assertEqual(value(families, total, model="m", endpoint=chat, status="200"), 3)
         self.assertEqual(value(families, total, model="m", endpoint=chat, status="429"), 1)
         self.assertEqual(value(families, total, model="unknown", endpoint=chat, status="404"), 1)
@@ -114,6 +123,8 @@ class FakeChildMetricsTests(SynchronousTestCase):
         agent = self.agent("crash_at_start")
         status, _, body = agent.request("POST", CHAT_PATH, {"model": "m", **CHAT})
         self.assertEqual(status, 503, body)
+        wait_until(lambda: value(scrape(agent), "rolemesh_requests_total", model="m", endpoint="chat/completions",
+                                 status="503") == 1, 5, what="the 503 counted")
         families = scrape(agent)
         self.assertEqual(
             value(families, "rolemesh_requests_total", model="m", endpoint="chat/completions", status="503"), 1
