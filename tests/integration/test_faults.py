@@ -282,7 +282,7 @@ class ChildFaultTests(FaultTestCase):
         self.stop_and_assert_no_orphans(agent)
 
     def test_sigstopped_child_times_out_then_is_killed_and_replaced(self) -> None:
-        agent = self.start_agent(self.real_config(request_timeout_s=1, llama_server_stop_timeout_s=1))
+        agent = self.start_agent(self.real_config(request_timeout_s=3, llama_server_stop_timeout_s=1))
         self.assert_chat_ok(agent)
         before = self.device(agent)
         pid, started = before["pid"], _start_time(before["pid"])
@@ -310,7 +310,7 @@ class ChildFaultTests(FaultTestCase):
         self.stop_and_assert_no_orphans(agent)
 
     def test_sigstopped_child_stream_that_never_begins_times_out(self) -> None:
-        agent = self.start_agent(self.real_config(request_timeout_s=1, llama_server_stop_timeout_s=1))
+        agent = self.start_agent(self.real_config(request_timeout_s=3, llama_server_stop_timeout_s=1))
         self.assert_chat_ok(agent)
         before = self.device(agent)
         pid, started = before["pid"], _start_time(before["pid"])
