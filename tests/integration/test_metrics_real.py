@@ -147,10 +147,9 @@ class RealModelMetricsTests(SynchronousTestCase):
             "POST", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=60
         )
         self.assertEqual(status, 200, body)
+        wait_until(lambda: value(scrape(agent), "rolemesh_requests_total", model="tiny", endpoint="completions",
+                                 status="200") == 1, 5, what="the request counted")
         families = scrape(agent)
-        self.assertEqual(
-            value(families, "rolemesh_requests_total", model="tiny", endpoint="completions", status="200"), 1
-        )
         self.assertEqual(value(families, "rolemesh_model_loads_total", device="cpu:0", model="tiny"), 1)
         self.assertEqual(value(families, "rolemesh_model_load_duration_seconds_count", device="cpu:0", model="tiny"), 1)
         self.assertEqual(value(families, "rolemesh_device_memory_total_bytes", device="cpu:0"), mem_total_bytes())
