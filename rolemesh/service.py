@@ -40,6 +40,7 @@ from rolemesh.dispatcher import DispatcherClient
 from rolemesh.errors import ConfigError
 from rolemesh.interfaces import IDeviceBackend
 from rolemesh.listener import GuardedSite
+from rolemesh.metrics import NodeMetrics
 from rolemesh.node import Node
 from rolemesh.payloads import heartbeat_payload, registration_payload
 from rolemesh.pidfiles import PidFiles
@@ -240,10 +241,9 @@ def make_service(
 
     root = NodeAgentService(config, node, proxy, reactor=reactor)
     registration = _registration_builder(config, backend, devices)
-    metrics = _metrics(node, root)
-    api = NodeAPI(config, node, proxy, registration=registration,
-                  render_metrics=metrics.render if metrics else None,
-                  observers=[metrics.observe] if metrics else [])
+    metrics = NodeMetrics(node, root)
+    api = NodeAPI(config, node, proxy, registration=registration, render_metrics=metrics.render,
+                  observers=[metrics.observe])
     node.setServiceParent(root)
 
     site = GuardedSite(
@@ -284,10 +284,3 @@ def _dispatcher(config: NodeConfig, node: Node, registration: Callable[[], dict]
         reactor=reactor,
     )
 
-
-def _metrics(node: Node, root: NodeAgentService) -> Any:
-    try:
-        from rolemesh.metrics import NodeMetrics
-    except ImportError:
-        return None
-    return NodeMetrics(node, root)
