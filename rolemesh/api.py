@@ -159,13 +159,28 @@ class NodeAPI:
     def _api_error(self, request: Any, failure: Any) -> bytes:
         return _error(request, failure.value)
 
+    def _unauthorized(self, request: Any) -> Optional[bytes]:
+        """Without a valid key, say 401 before saying which routes exist."""
+        try:
+            self._authorize(request)
+        except errors.ApiError as e:
+            return _error(request, e)
+        return None
+
     @app.handle_errors(NotFound)
     def _not_found(self, request: Any, failure: Any) -> bytes:
+        denied = self._unauthorized(request)
+        if denied is not None:
+            return denied
         path = request.path.decode("utf-8", "replace")[:200]
         return _error(request, errors.ApiError(404, f"no route {path}", "invalid_request_error", "not_found"))
 
     @app.handle_errors(MethodNotAllowed)
     def _not_allowed(self, request: Any, failure: Any) -> bytes:
+        if request.path != b"/health":
+            denied = self._unauthorized(request)
+            if denied is not None:
+                return denied
         allowed = getattr(failure.value, "valid_methods", None) or []
         if allowed:
             request.setHeader(b"allow", ", ".join(allowed).encode())

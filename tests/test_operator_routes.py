@@ -135,3 +135,14 @@ class RefusedConnectionTests(ApiTestCase):
         h.node_h.answer("alpha")
         self.assertError(h.finish(d), 502, "upstream_error")
         self.assertTrue(h.node.scheduler.is_idle("gpu:0"), "the slot was released")
+
+
+class UnknownRoutesNeedAKeyTests(ApiTestCase):
+    keys = ("k1",)
+
+    def test_401_before_404_or_405(self) -> None:
+        self.assertError(self.h.call("GET", "/v1/secret-route", key=None), 401, "invalid_api_key")
+        self.assertError(self.h.call("DELETE", "/v1/models", key=None), 401, "invalid_api_key")
+        self.assertError(self.h.call("GET", "/v1/secret-route"), 404, "not_found")
+        self.assertError(self.h.call("DELETE", "/v1/models"), 405, "method_not_allowed")
+        self.assertError(self.h.call("POST", "/health", key=None), 405, "method_not_allowed")
