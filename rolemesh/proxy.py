@@ -57,9 +57,12 @@ HOP_HEADERS = frozenset(
 
 
 class UpstreamUnreachable(Exception):
-    """The child could not even be connected to: nothing was sent, so the
-    request may safely go to a fresh child (the old one has likely died a
-    moment before the supervisor heard of it)."""
+    """The child gave no answer at all: refused, or the connection dropped
+    before a byte of response (even on a fresh connection, a child that is
+    dying can accept and then drop it).  The child is most likely gone; the
+    request may go once to a fresh child -- inference has no side effects, so
+    the worst case, a request that itself crashes the child, costs a second
+    crash and then a 502."""
 
     def as_api_error(self) -> errors.ApiError:
         return errors.upstream_error(f"llama-server failed the request: {self}")
@@ -163,15 +166,6 @@ class Proxy:
             return defer.succeed(None)
         return self._pool.closeCachedConnections()
 
-    def _has_idle_connection(self, url: bytes) -> bool:
-        """Whether a request to ``url`` would go out on a kept-alive connection."""
-        if self._pool is None:
-            return False
-        from twisted.web.client import URI
-
-        uri = URI.fromBytes(url)
-        return bool(self._pool._connections.get((uri.scheme, uri.host, uri.port)))
-
     def _send(self, url: bytes, body: bytes, headers: Headers) -> "Deferred[IResponse]":
         return self.agent.request(b"POST", url, headers, BytesProducer(body))
 
@@ -197,7 +191,7 @@ class Proxy:
         url = (base_url + path).encode("ascii")
         headers = Headers({b"content-type": [content_type], b"accept": [b"*/*"]})
         relay: list = []
-        state = {"timed_out": False, "cancelled": False, "retried": False, "pooled": self._has_idle_connection(url)}
+        state = {"timed_out": False, "cancelled": False}
 
         def cancel(d: Deferred) -> None:
             state["cancelled"] = True
@@ -211,7 +205,6 @@ class Proxy:
 
         def retry_stale(failure: Failure) -> Any:
             if _never_sent(failure) and not result.called and not state["cancelled"]:
-                state["retried"] = True
                 if self._pool is not None:
                     # Other idle connections to that child are as stale as the
                     # one that failed: the retry must open a fresh one.
@@ -290,12 +283,7 @@ class Proxy:
                 # Agent fails a cancelled request with ResponseNeverReceived
                 # ([CancelledError]), not CancelledError: still the client's doing.
                 result.callback(CLIENT_GONE)
-            elif failure.check(ConnectError) and (not state["retried"] or state["pooled"]):
-                # Refused at once: nothing reached llama-server.  Refused after
-                # a kept-alive connection failed: the child died, most likely
-                # while that connection sat idle.  Either way a fresh child
-                # may take the request.  (Refused after a fresh connection
-                # failed: it died holding our request -- 502.)
+            elif failure.check(ConnectError) or _never_sent(failure):
                 result.errback(UpstreamUnreachable(_describe(failure)))
             else:
                 result.errback(errors.upstream_error(f"llama-server failed the request: {_describe(failure)}"))
