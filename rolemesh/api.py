@@ -345,7 +345,7 @@ class NodeAPI:
         try:
             self._authorize(request)
             if self.node.draining:
-                raise errors.ApiError(503, "the node is shutting down", "server_error", "shutting_down", 5)
+                raise errors.shutting_down()
             body = self._body(request)
             payload = parse_body(body, self.config.max_request_body_bytes)
             model = self.node.resolve(payload["model"])

@@ -28,6 +28,7 @@ from rolemesh.errors import ConfigError
 PLACEHOLDER_PREFIX = "/path/to/"
 BACKENDS = ("auto", "cuda", "rocm", "metal", "sycl", "vulkan", "cpu")
 LOG_FORMATS = ("text", "json")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 SECRET_KEYS = frozenset({"api_key", "api_keys", "dispatcher_token"})
 
 
@@ -201,6 +202,12 @@ class NodeConfig:
             if m.model_id == model_id:
                 return m
         raise KeyError(model_id)
+
+    @property
+    def exposed_without_key(self) -> bool:
+        """Listening beyond loopback with no API key: anyone who reaches the
+        port can use every model."""
+        return self.listen_host not in LOOPBACK_HOSTS and not self.api_keys
 
     def idle_unload_for(self, model: ModelConfig) -> Optional[float]:
         if model.keep_loaded:

@@ -56,5 +56,14 @@ def model_load_timeout(message: str, retry_after: int = 5) -> ApiError:
     return ApiError(503, message, "server_error", "model_load_timeout", retry_after)
 
 
+def shutting_down() -> ApiError:
+    return ApiError(503, "the node is shutting down", "server_error", "shutting_down", 5)
+
+
+def queue_full(where: str, limit: int) -> ApiError:
+    return ApiError(429, f"{where} already has {limit} requests pending; retry shortly",
+                    "rate_limit_error", "queue_full", retry_after=1)
+
+
 def upstream_error(message: str) -> ApiError:
     return ApiError(502, message, "server_error", "upstream_error")

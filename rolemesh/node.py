@@ -194,37 +194,26 @@ class Node(MultiService):
 
     def acquire(self, model: ModelConfig, device: Optional[str] = None) -> "Deferred[Lease]":
         if self.draining:
-            return defer.fail(errors.ApiError(503, "the node is shutting down", "server_error", "shutting_down", 5))
+            return defer.fail(errors.shutting_down())
         request = _Acquisition(model, Deferred(lambda d: self._cancel(ticket, request)))
         try:
             ticket = self.scheduler.submit(model.model_id, model.parallel, device, context=request)
         except QueueFull:
             self._emit("queue_full", model=model.model_id)
             where = f"device {device}" if device else "every device that can take it"
-            return defer.fail(
-                errors.ApiError(
-                    429,
-                    f"{where} already has {self.config.max_pending_requests_per_device} requests pending; "
-                    "retry shortly",
-                    "rate_limit_error",
-                    "queue_full",
-                    retry_after=1,
-                )
-            )
+            return defer.fail(errors.queue_full(where, self.config.max_pending_requests_per_device))
         return request.result
 
     def unload(self, device: str) -> "Deferred[None]":
         """Stop ``device``'s child once the requests ahead of this one are
         done (queued like a switch; 429 when the device's queue is full)."""
         if self.draining:
-            return defer.fail(errors.ApiError(503, "the node is shutting down", "server_error", "shutting_down", 5))
+            return defer.fail(errors.shutting_down())
         request = _Unload(Deferred(lambda d: self.scheduler.cancel(ticket) if ticket.state == QUEUED else None))
         try:
             ticket = self.scheduler.submit(UNLOAD, 1, device, context=request)
         except QueueFull:
-            return defer.fail(errors.ApiError(429, f"device {device} already has "
-                                              f"{self.config.max_pending_requests_per_device} requests pending",
-                                              "rate_limit_error", "queue_full", retry_after=1))
+            return defer.fail(errors.queue_full(f"device {device}", self.config.max_pending_requests_per_device))
         return request.result
 
     def _unload_started(self, ticket: Ticket, request: _Unload) -> None:
@@ -400,7 +389,7 @@ class Node(MultiService):
             entry["last_error"] = self.supervisors[device.name].last_error
             devices.append(entry)
         warnings = []
-        if self.config.listen_host not in ("127.0.0.1", "localhost", "::1") and not self.config.api_keys:
+        if self.config.exposed_without_key:
             warnings.append(f"listening on {self.config.listen_host} without an api_key: anyone who can reach "
                             "the port can use every model on this node")
         return {

@@ -49,13 +49,6 @@ from rolemesh.supervisor import DeviceSupervisor
 
 log = Logger()
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def exposed_without_key(config: NodeConfig) -> bool:
-    """Listening beyond loopback with no API key: anyone who reaches the port
-    can use every model."""
-    return config.listen_host not in LOOPBACK and not config.api_keys
 
 
 def default_binary() -> Optional[str]:
@@ -138,7 +131,7 @@ class NodeAgentService(MultiService):
         port = getattr(getattr(self.listener, "_port", None), "getHost", lambda: None)()
         if port is not None:
             log.info("serving the OpenAI-compatible API on http://{host}:{port}", host=host, port=port.port)
-        if exposed_without_key(self.config):
+        if self.config.exposed_without_key:
             log.warn(
                 "!!! listening on {host} without an api_key: anyone who can reach this port can use "
                 "every model on this node. Set api_key (or api_key_env / api_key_file). !!!",
@@ -212,7 +205,7 @@ def make_service(
     supervisor_factory: Optional[Callable[..., DeviceSupervisor]] = None,
 ) -> NodeAgentService:
     """Build the whole service tree; raises ConfigError for start-up problems."""
-    if config.require_auth_off_loopback and exposed_without_key(config):
+    if config.require_auth_off_loopback and config.exposed_without_key:
         raise ConfigError(
             f"listen_host: {config.listen_host!r} is not loopback and no api_key is set "
             "(require_auth_off_loopback is true); set api_key, api_key_env or api_key_file"

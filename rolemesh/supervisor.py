@@ -313,7 +313,7 @@ class DeviceSupervisor(Service):
         once the device has no requests in flight.
         """
         if self._closing:
-            return defer.fail(errors.ApiError(503, "the node is shutting down", "server_error", "shutting_down", 5))
+            return defer.fail(errors.shutting_down())
         endpoint = self.endpoint
         if endpoint is not None and self.model == model:
             return defer.succeed(endpoint)
