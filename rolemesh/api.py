@@ -213,18 +213,15 @@ class NodeAPI:
         self._authorize(request)
         data = []
         for model in self.config.models:
+            where = self.node.loaded_on(model.model_id)
             entry = {
                 "id": model.model_id,
                 "object": "model",
                 "created": _CREATED,
                 "owned_by": "rolemesh",
                 "roles": list(model.roles),
-                "loaded_on": [
-                    n for n in self.node.loaded_on(model.model_id) if self.node.supervisors[n].state == READY
-                ],
-                "loading_on": [
-                    n for n in self.node.loaded_on(model.model_id) if self.node.supervisors[n].state != READY
-                ],
+                "loaded_on": [n for n in where if self.node.supervisors[n].state == READY],
+                "loading_on": [n for n in where if self.node.supervisors[n].state != READY],
             }
             if model.alias:
                 entry["aliases"] = [model.alias]

@@ -14,7 +14,6 @@ from twisted.logger import (
     LogLevel,
     LogLevelFilterPredicate,
     formatEvent,
-    formatEventAsClassicLogText,
     textFileLogObserver,
 )
 from zope.interface import implementer
@@ -75,4 +74,4 @@ def json_logger() -> ILogObserver:
     return make_observer("json", sys.stdout)
 
 
-__all__ = ["json_logger", "make_observer", "event_as_json", "JSONLinesObserver", "formatEventAsClassicLogText"]
+__all__ = ["json_logger", "make_observer", "event_as_json", "JSONLinesObserver"]

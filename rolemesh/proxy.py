@@ -177,7 +177,6 @@ class Proxy:
         body: bytes,
         streaming: bool,
         timeout: Optional[float] = None,
-        content_type: bytes = b"application/json",
         on_first_byte: Optional[Callable[[], None]] = None,
     ) -> "Deferred[str]":
         """Relay ``body`` to ``base_url + path`` and the answer to ``request``.
@@ -189,7 +188,7 @@ class Proxy:
         Cancelling it closes the upstream connection.
         """
         url = (base_url + path).encode("ascii")
-        headers = Headers({b"content-type": [content_type], b"accept": [b"*/*"]})
+        headers = Headers({b"content-type": [b"application/json"], b"accept": [b"*/*"]})
         relay: list = []
         state = {"timed_out": False, "cancelled": False}
 
