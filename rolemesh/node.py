@@ -24,6 +24,7 @@ from rolemesh import errors
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.interfaces import IDeviceBackend
+from rolemesh.reactor import UsesReactor
 from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
 from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor
 
@@ -66,7 +67,7 @@ class _Unload:
     result: Deferred
 
 
-class Node(MultiService):
+class Node(MultiService, UsesReactor):
     """Supervisors + scheduler + metrics for this host's devices."""
 
     def __init__(
@@ -100,14 +101,6 @@ class Node(MultiService):
         self._sampling = False
         #: Hooks for the metrics module: called with (event, **fields).
         self.observers: List[Callable[..., None]] = []
-
-    @property
-    def reactor(self) -> Any:
-        if self._reactor is None:
-            from twisted.internet import reactor
-
-            self._reactor = reactor
-        return self._reactor
 
     def _emit(self, event: str, **fields: Any) -> None:
         for observer in list(self.observers):

@@ -31,6 +31,7 @@ from zope.interface import implementer
 
 from rolemesh import errors
 from rolemesh.http_client import quiet_agent, quiet_pool
+from rolemesh.reactor import UsesReactor
 
 log = Logger()
 
@@ -134,7 +135,7 @@ class _Relay(Protocol):
         self._finished.callback(bool(reason.check(ResponseDone, PotentialDataLoss)))
 
 
-class Proxy:
+class Proxy(UsesReactor):
     """Sends requests to children over a persistent pool and relays answers."""
 
     def __init__(self, reactor: Any = None, max_per_host: int = 4, agent: Any = None) -> None:
@@ -142,14 +143,6 @@ class Proxy:
         self._max_per_host = max_per_host
         self._agent = agent
         self._pool: Optional[HTTPConnectionPool] = None
-
-    @property
-    def reactor(self) -> Any:
-        if self._reactor is None:
-            from twisted.internet import reactor
-
-            self._reactor = reactor
-        return self._reactor
 
     @property
     def agent(self) -> Any:

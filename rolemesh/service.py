@@ -45,6 +45,7 @@ from rolemesh.node import Node
 from rolemesh.payloads import heartbeat_payload, registration_payload
 from rolemesh.pidfiles import PidFiles
 from rolemesh.proxy import Proxy
+from rolemesh.reactor import UsesReactor
 from rolemesh.supervisor import DeviceSupervisor
 
 log = Logger()
@@ -102,7 +103,7 @@ def choose_backend(config: NodeConfig, reactor: Any = None) -> BackendChoice:
     return BackendChoice(backend, reason, tuple(devices))
 
 
-class NodeAgentService(MultiService):
+class NodeAgentService(MultiService, UsesReactor):
     """The root service; owns the shutdown order."""
 
     def __init__(self, config: NodeConfig, node: Node, proxy: Proxy, reactor: Any = None) -> None:
@@ -116,14 +117,6 @@ class NodeAgentService(MultiService):
         self._stopping: Optional[defer.Deferred] = None
         self._drain: Optional[defer.Deferred] = None
         self._previous_handlers: List[Tuple[int, Any]] = []
-
-    @property
-    def reactor(self) -> Any:
-        if self._reactor is None:
-            from twisted.internet import reactor
-
-            self._reactor = reactor
-        return self._reactor
 
     def startService(self) -> None:
         super().startService()

@@ -45,6 +45,7 @@ from rolemesh.devices import DeviceRef
 from rolemesh.interfaces import IDeviceBackend
 from rolemesh.llama_args import build_argv
 from rolemesh.pidfiles import PidFiles
+from rolemesh.reactor import UsesReactor
 
 log = Logger()
 
@@ -173,7 +174,7 @@ class _ChildProtocol(ProcessProtocol):
         self._supervisor._child_ended(self._generation, reason)
 
 
-class DeviceSupervisor(Service):
+class DeviceSupervisor(Service, UsesReactor):
     """Owns one device's llama-server child: spawn, readiness, switch, stop."""
 
     name: str  # the device name; never None here
@@ -240,14 +241,6 @@ class DeviceSupervisor(Service):
         self._listeners: List[Callable[["DeviceSupervisor"], None]] = []
 
     # -- plumbing -----------------------------------------------------------
-
-    @property
-    def reactor(self) -> Any:
-        if self._reactor is None:
-            from twisted.internet import reactor
-
-            self._reactor = reactor
-        return self._reactor
 
     @property
     def _probe_fn(self) -> Callable[[str, str], "Deferred[bool]"]:

@@ -1,0 +1,24 @@
+"""The injected reactor, with a lazy fall-back to the global one.
+
+Library code never imports the global reactor at module level: tests inject
+a Clock or MemoryReactor, and the real reactor is looked up only on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class UsesReactor:
+    """Mixin: ``self.reactor`` is the one given as ``self._reactor``, else the
+    global reactor, looked up when first needed."""
+
+    _reactor: Any = None
+
+    @property
+    def reactor(self) -> Any:
+        if self._reactor is None:
+            from twisted.internet import reactor as global_reactor
+
+            self._reactor = global_reactor
+        return self._reactor
