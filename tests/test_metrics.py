@@ -17,9 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from rolemesh import errors
 from rolemesh.logs import make_observer
 from rolemesh.metrics import ENDPOINTS, NodeMetrics
-from rolemesh.node import Node
-from rolemesh.supervisor import DeviceSupervisor
-from tests.fakes import FakeBackend, FakeProbe, GroupSignals, ProcessReactor, make_config
+from tests.test_node import NodeHarness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPERATIONS_DOC = os.path.join(ROOT, "docs", "operations.md")
@@ -31,33 +29,11 @@ class Harness:
 
     def __init__(self, count: int = 2, dispatcher: Any = None, **top: Any) -> None:
         top.setdefault("max_pending_requests_per_device", 2)
-        self.config = make_config(
-            [{"model_id": "a", "roles": ["chat"]}, {"model_id": "b", "alias": "bee"}],
-            llama_server_startup_timeout_s=10.0,
-            llama_server_probe_interval_s=0.5,
-            llama_server_stop_timeout_s=5.0,
-            **top,
-        )
-        self.reactor = ProcessReactor()
-        self.probe = FakeProbe()
-        self.signals = GroupSignals(self.reactor)
-        self.backend = FakeBackend(count)
-        ports = iter(range(20000, 21000))
-        self.supervisors = [
-            DeviceSupervisor(
-                ref,
-                self.backend,
-                self.config,
-                "/opt/llama/llama-server",
-                reactor=self.reactor,
-                probe=self.probe,
-                pick_port=lambda: next(ports),
-                signal_group=self.signals,
-                environ={"PATH": "/usr/bin"},
-            )
-            for ref in self.backend.refs
-        ]
-        self.node = Node(self.config, self.backend, self.backend.refs, self.supervisors, reactor=self.reactor)
+        nodes = NodeHarness([{"model_id": "a", "roles": ["chat"]}, {"model_id": "b", "alias": "bee"}],
+                            devices=count, **top)
+        self.config, self.reactor, self.probe = nodes.config, nodes.reactor, nodes.probe
+        self.signals, self.backend, self.supervisors = nodes.signals, nodes.backend, nodes.supervisors
+        self.node = nodes.node
         self.root = SimpleNamespace(dispatcher=dispatcher)
         self.metrics = NodeMetrics(self.node, self.root)
         self.node.startService()
