@@ -90,6 +90,10 @@ def _retry_after(failures: int) -> int:
     return max(1, int(restart_delay(failures) + 0.999))
 
 
+def _is_sigill(reason: Failure) -> bool:
+    return getattr(reason.value, "signal", None) == signal.SIGILL
+
+
 def pick_free_port(host: str = "127.0.0.1") -> int:
     """Ask the kernel for a free TCP port (the child binds it a moment later;
     a collision in between is detected from the child's output and retried)."""
@@ -220,6 +224,12 @@ class DeviceSupervisor(Service, UsesReactor):
         self.crashes = 0
         self.last_load_seconds: Optional[float] = None
         self.last_error: Optional[str] = None
+        #: What kind of failure ``last_error`` is (a stable code a dispatcher
+        #: can act on: ``model_load_failed``, ``model_load_timeout``,
+        #: ``child_crashed``, ``illegal_instruction``, ``unhealthy``) and when
+        #: it happened (reactor seconds); both None while there is none.
+        self.last_error_code: Optional[str] = None
+        self.last_error_at: Optional[float] = None
         self.logs: Deque[str] = collections.deque(maxlen=LOG_LINES)
 
         self._transport: Any = None
@@ -463,7 +473,7 @@ class DeviceSupervisor(Service, UsesReactor):
         log.info("llama-server for {model} ready on {device} in {seconds:.2f}s (pid {pid})",
                  model=self.model.model_id, device=self.name, seconds=self._ready_at - self._started_at,
                  pid=self.pid)
-        self.last_error = None
+        self._note_error(None, None)
         self._set_state(READY)
         endpoint = self.endpoint
         waiters, self._waiters = self._waiters, []
@@ -483,7 +493,7 @@ class DeviceSupervisor(Service, UsesReactor):
         )
         self._record_failure()
         self.load_timeouts += 1
-        self.last_error = message
+        self._note_error("model_load_timeout", message)
         self._stop_child("startup timeout", kill_now=True, reason=FAILED)
         self._fail_waiters(errors.model_load_timeout(message, retry_after=max(1, int(timeout))))
 
@@ -565,7 +575,10 @@ class DeviceSupervisor(Service, UsesReactor):
             failures = self._record_failure()
             self.crashes += 1
             self.restarts += 1
-            self.last_error = f"llama-server for {model.model_id!r} {how} unexpectedly{self._tail_for_error()}"
+            self._note_error(
+                "illegal_instruction" if _is_sigill(reason) else "child_crashed",
+                f"llama-server for {model.model_id!r} {how} unexpectedly{self._tail_for_error()}",
+            )
             log.error("{message}", message=self.last_error, device=self.name, model=model.model_id)
             self._set_state(FAILED if restart_delay(failures) > 0 else STOPPED)
         else:  # STOPPING: the end we asked for
@@ -581,8 +594,13 @@ class DeviceSupervisor(Service, UsesReactor):
         if self._target is not None and not self._closing:
             self._start_target()
 
-    def _load_failed(self, error: errors.ApiError) -> None:
-        self.last_error = error.message
+    def _note_error(self, code: Optional[str], message: Optional[str]) -> None:
+        self.last_error = message
+        self.last_error_code = code
+        self.last_error_at = None if code is None else self.reactor.seconds()
+
+    def _load_failed(self, error: errors.ApiError, code: Optional[str] = None) -> None:
+        self._note_error(code or error.code, error.message)
         log.error("{message}", message=error.message, device=self.name)
         self._set_state(FAILED)
         self._fail_waiters(error)
