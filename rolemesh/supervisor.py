@@ -39,7 +39,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from rolemesh import errors
+from rolemesh import diagnosis, errors
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceRef
 from rolemesh.interfaces import IDeviceBackend
@@ -57,8 +57,10 @@ FAILED = "failed"
 
 #: Lines of child output kept per device, for errors and the logs endpoint.
 LOG_LINES = 1000
-#: Lines of log tail put into a load-failure message.
+#: Lines of log tail put into a crash message.
 ERROR_TAIL_LINES = 12
+#: Lines of one start attempt kept for its failure message.
+ATTEMPT_LINES = 200
 #: A child up at least this long before it fails starts a fresh failure count.
 STABLE_AFTER_S = 30.0
 #: While stopping, SIGTERM is repeated this often until the grace is over.
@@ -85,13 +87,35 @@ def restart_delay(failures: int, base: float = 1.0, cap: float = 60.0) -> float:
     return min(cap, base * 2.0 ** (failures - 2))
 
 
-def _retry_after(failures: int) -> int:
-    """Retry-After seconds to announce after ``failures`` in a row."""
-    return max(1, int(restart_delay(failures) + 0.999))
+def load_retry_delay(failures: int, base: float = 15.0, factor: float = 5.0, cap: float = 600.0) -> float:
+    """Seconds to wait before loading a model again after ``failures`` loads
+    in a row ended on their own (bad file, crash at load, timeout).
+
+    Such a failure repeats until a person acts, so there is no free retry:
+    15 s, 75 s, 375 s, then 10 minutes.  From the second on, the delay is over
+    60 s, past which OpenAI-style clients stop honouring Retry-After and give
+    up after their own short retries, so a client's automatic retries never
+    each start a failing child.
+    """
+    if failures <= 0:
+        return 0.0
+    return min(cap, base * factor ** (failures - 1))
 
 
-def _is_sigill(reason: Failure) -> bool:
-    return getattr(reason.value, "signal", None) == signal.SIGILL
+def _seconds(delay: float) -> int:
+    """Retry-After seconds for a delay: whole seconds, at least 1."""
+    return max(1, int(delay + 0.999))
+
+
+def _killed_from_outside(exit: diagnosis.Exit) -> bool:
+    """SIGKILL/SIGTERM/SIGINT while loading came from outside (a person, the
+    OOM killer): worth one more try at once, like a crash of a ready child."""
+    return exit.signal in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
+
+
+def exit_of(reason: Failure) -> diagnosis.Exit:
+    """How a child ended, from ``processEnded``'s reason."""
+    return diagnosis.Exit(getattr(reason.value, "signal", None), getattr(reason.value, "exitCode", None))
 
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
@@ -222,6 +246,8 @@ class DeviceSupervisor(Service, UsesReactor):
         self.load_failures = 0
         self.load_timeouts = 0
         self.crashes = 0
+        #: Loads retried with ``--no-repack`` after a SIGILL.
+        self.safe_mode_retries = 0
         self.last_load_seconds: Optional[float] = None
         self.last_error: Optional[str] = None
         #: What kind of failure ``last_error`` is (a stable code a dispatcher
@@ -246,6 +272,10 @@ class DeviceSupervisor(Service, UsesReactor):
         self._bind_retries = 0
         self._stop_reason: Optional[str] = None
         self._failures: Dict[str, int] = {}
+        #: Models that died of SIGILL at load here: they run with --no-repack.
+        self._safe_mode: Dict[str, str] = {}
+        #: This start attempt's output, for its failure message.
+        self._attempt: Deque[str] = collections.deque(maxlen=ATTEMPT_LINES)
         self._retry_at: Dict[str, float] = {}
         self._closing = False
         self._listeners: List[Callable[["DeviceSupervisor"], None]] = []
@@ -301,6 +331,11 @@ class DeviceSupervisor(Service, UsesReactor):
             "last_error": self.last_error,
         }
 
+    @property
+    def warnings(self) -> List[str]:
+        """Things an operator should fix though the device serves."""
+        return list(self._safe_mode.values())
+
     def log_tail(self, lines: int) -> List[str]:
         if lines <= 0:
             return []
@@ -323,11 +358,16 @@ class DeviceSupervisor(Service, UsesReactor):
         retry_at = self._retry_at.get(model.model_id, 0.0)
         wait = retry_at - self.reactor.seconds()
         if self.state in (FAILED, STOPPED) and wait > 0:
+            # Backing off: answer at once and spawn nothing, so that clients'
+            # automatic retries do not each start a failing child.
             return defer.fail(
                 errors.model_load_failed(
-                    f"model {model.model_id!r} failed {self._failures.get(model.model_id, 0)} times in a row on "
-                    f"{self.name}; next attempt in {wait:.0f}s. Last error: {self.last_error or 'unknown'}",
-                    retry_after=max(1, int(wait + 0.999)),
+                    diagnosis.shorten(
+                        f"model {model.model_id!r} failed {self._failures.get(model.model_id, 0)} times in a row "
+                        f"on {self.name}; next attempt in {_seconds(wait)}s. Last error: "
+                        f"{self.last_error or 'unknown'}"
+                    ),
+                    retry_after=_seconds(wait),
                 )
             )
         d: Deferred = Deferred(lambda d: self._cancel_waiter(d))
@@ -403,6 +443,9 @@ class DeviceSupervisor(Service, UsesReactor):
         assert model is not None
         self.port = self._pick_port()
         argv = build_argv(self._binary, model, self.port, device_defaults=self._backend.child_arguments(self.device))
+        if model.model_id in self._safe_mode:
+            argv.append("--" + diagnosis.SAFE_FLAG)
+        self._attempt.clear()
         base = os.environ if self._environ is None else self._environ
         env = self._backend.child_environment(self.device, base)
         wrapped = self._wrap(argv, os.getpid(), self.device.cpus)
@@ -487,11 +530,12 @@ class DeviceSupervisor(Service, UsesReactor):
         self._startup_timer = None
         assert self.model is not None
         timeout = self._config.llama_server_startup_timeout_s
-        message = (
+        line = diagnosis.decisive_line(self._attempt, self.model.path, self.model.model_id)
+        message = diagnosis.shorten(
             f"model {self.model.model_id!r} did not become ready on {self.name} within {timeout:g}s "
-            f"(llama_server_startup_timeout_s){self._tail_for_error()}"
+            f"(llama_server_startup_timeout_s)" + (f"; last error: {line}" if line else "")
         )
-        self._record_failure()
+        self._record_failure(load=True)
         self.load_timeouts += 1
         self._note_error("model_load_timeout", message)
         self._stop_child("startup timeout", kill_now=True, reason=FAILED)
@@ -502,6 +546,8 @@ class DeviceSupervisor(Service, UsesReactor):
     def _child_output(self, generation: int, fd: int, line: bytes) -> None:
         text = line.decode("utf-8", "replace")
         self.logs.append(text)
+        if generation == self.generation:
+            self._attempt.append(text)
         starting = generation == self.generation and self.state == STARTING
         # Every line goes to the ring buffer (the logs endpoint, error tails).
         # The log gets all of a start and a stop, but from a ready child only
@@ -513,16 +559,8 @@ class DeviceSupervisor(Service, UsesReactor):
         if starting and any(h in line for h in _READY_HINTS):
             self._probe_once()
 
-    def _tail_for_error(self) -> str:
-        lines = [line for line in list(self.logs)[-ERROR_TAIL_LINES:] if not line.startswith("[rolemesh]")]
-        if not lines:
-            return ""
-        text = " | ".join(line.strip() for line in lines if line.strip())
-        if self.model is not None:
-            text = text.replace(self.model.path, self.model.model_id)
-        return ": " + text
-
-    def _record_failure(self) -> int:
+    def _record_failure(self, load: bool = False) -> float:
+        """Count a failure in a row; returns the back-off before the next try."""
         assert self.model is not None
         model_id = self.model.model_id
         now = self.reactor.seconds()
@@ -530,18 +568,9 @@ class DeviceSupervisor(Service, UsesReactor):
             self._failures[model_id] = 0
         failures = self._failures.get(model_id, 0) + 1
         self._failures[model_id] = failures
-        self._retry_at[model_id] = now + restart_delay(failures)
-        return failures
-
-    def _describe_exit(self, reason: Failure) -> str:
-        code = getattr(reason.value, "exitCode", None)
-        sig = getattr(reason.value, "signal", None)
-        if sig:
-            try:
-                return f"killed by {signal.Signals(sig).name}"
-            except ValueError:
-                return f"killed by signal {sig}"
-        return f"exited with status {code}"
+        delay = load_retry_delay(failures) if load else restart_delay(failures)
+        self._retry_at[model_id] = now + delay
+        return delay
 
     def _child_ended(self, generation: int, reason: Failure) -> None:
         if generation != self.generation:
@@ -554,33 +583,42 @@ class DeviceSupervisor(Service, UsesReactor):
         self._transport = None
         if self._pidfiles is not None:
             self._pidfiles.remove(self.name)
-        how = self._describe_exit(reason)
+        exit = exit_of(reason)
+        how = exit.how
         self.logs.append(f"[rolemesh] llama-server {how}")
         assert self.model is not None
         model = self.model
 
         if was == STARTING:
-            tail = self._tail_for_error()
-            if _BIND_FAILURE.search(tail) and self._bind_retries < BIND_RETRIES:
+            if any(_BIND_FAILURE.search(line) for line in self._attempt) and self._bind_retries < BIND_RETRIES:
                 self._bind_retries += 1
                 log.warn("port {port} was taken before llama-server bound it; retrying on another port",
                          port=self.port)
                 self._spawn()
                 return
-            message = f"llama-server for model {model.model_id!r} {how} while loading on {self.name}{tail}"
-            failures = self._record_failure()
+            if exit.is_sigill and self._may_retry_safely(model):
+                self._spawn()
+                return
+            message = diagnosis.load_failure(model.model_id, self.name, exit, self._attempt, model.path)
+            delay = self._record_failure(load=not _killed_from_outside(exit))
             self.load_failures += 1
-            self._load_failed(errors.model_load_failed(message, retry_after=_retry_after(failures)))
+            self._load_failed(
+                errors.model_load_failed(message, retry_after=_seconds(delay)),
+                exit.error_code("model_load_failed"),
+            )
         elif was == READY:
-            failures = self._record_failure()
+            delay = self._record_failure()
             self.crashes += 1
             self.restarts += 1
+            meaning = f" ({exit.meaning})" if exit.meaning else ""
+            line = diagnosis.decisive_line(list(self.logs)[-ERROR_TAIL_LINES:], model.path, model.model_id)
             self._note_error(
-                "illegal_instruction" if _is_sigill(reason) else "child_crashed",
-                f"llama-server for {model.model_id!r} {how} unexpectedly{self._tail_for_error()}",
+                exit.error_code("child_crashed"),
+                diagnosis.shorten(f"llama-server for {model.model_id!r} {how} unexpectedly{meaning}"
+                                  + (f": {line}" if line else "")),
             )
             log.error("{message}", message=self.last_error, device=self.name, model=model.model_id)
-            self._set_state(FAILED if restart_delay(failures) > 0 else STOPPED)
+            self._set_state(FAILED if delay > 0 else STOPPED)
         else:  # STOPPING: the end we asked for
             if self._ready_at is not None and self.reactor.seconds() - self._ready_at >= STABLE_AFTER_S:
                 self._failures[model.model_id] = 0
@@ -593,6 +631,24 @@ class DeviceSupervisor(Service, UsesReactor):
             d.callback(None)
         if self._target is not None and not self._closing:
             self._start_target()
+
+    def _may_retry_safely(self, model: ModelConfig) -> bool:
+        """After a SIGILL at load: retry once with --no-repack (llama.cpp's
+        repacked kernels are where AMX / AVX-512 code runs) unless the model
+        already runs that way.  Said in the log, inventory and metrics."""
+        if model.model_id in self._safe_mode or any(
+            flag == diagnosis.SAFE_FLAG and value not in (None, False) for flag, value in model.server_args
+        ):
+            return False
+        self._safe_mode[model.model_id] = (
+            f"model {model.model_id!r} died of SIGILL (illegal instruction) while loading on {self.name} and "
+            f"now runs with --{diagnosis.SAFE_FLAG}: this llama-server build uses CPU instructions this machine "
+            "cannot run; install the portable build (scripts/install-llama-server.sh)"
+        )
+        self.safe_mode_retries += 1
+        log.warn("{message}; retrying once", message=self._safe_mode[model.model_id], device=self.name,
+                 model=model.model_id)
+        return True
 
     def _note_error(self, code: Optional[str], message: Optional[str]) -> None:
         self.last_error = message

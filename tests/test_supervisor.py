@@ -17,6 +17,7 @@ from rolemesh.supervisor import (
     STOPPED,
     STOPPING,
     DeviceSupervisor,
+    load_retry_delay,
     restart_delay,
     wrap_argv,
 )
@@ -133,39 +134,104 @@ class StateMachineTests(SynchronousTestCase):
         h.reactor.last.exit(1)
         failure = self.failureResultOf(d, errors.ApiError)
         self.assertEqual(failure.value.code, "model_load_failed")
-        self.assertIn("failed to load model", failure.value.message)
+        self.assertIn("a is not a gguf file", failure.value.message, "the decisive line, path shown as the id")
         self.assertIn("exited with status 1", failure.value.message)
+        self.assertEqual(h.sup.last_error_code, "model_load_failed")
         self.assertNotIn("/models/a.gguf", failure.value.message, "paths are shown as the model id")
         self.assertEqual(h.sup.state, FAILED)
         self.assertEqual(h.reactor.seconds(), 0)
 
-    def test_failed_model_retried_then_backed_off(self):
+    def test_failed_load_backs_off_at_once_and_spawns_nothing_meanwhile(self):
         h = self.h
-        for attempt in range(1, 3):
-            d = h.sup.ensure(h.a)
-            self.assertEqual(len(h.reactor.processes), attempt)
-            h.reactor.last.exit(1)
-            self.failureResultOf(d, errors.ApiError)
-        # Two failures in a row: the next try waits restart_delay(2) = 1 s,
-        # and is refused fast (503 + Retry-After) meanwhile.
-        failure = self.failureResultOf(h.sup.ensure(h.a), errors.ApiError)
-        self.assertEqual(failure.value.retry_after, 1)
-        self.assertIn("2 times in a row", failure.value.message)
-        self.assertEqual(len(h.reactor.processes), 2)
+        d = h.sup.ensure(h.a)
+        h.reactor.last.exit(1)
+        self.failureResultOf(d, errors.ApiError)
+        # A load that ended on its own repeats until someone acts: no free
+        # retry.  Meanwhile requests are refused fast, with Retry-After.
+        for _ in range(3):
+            failure = self.failureResultOf(h.sup.ensure(h.a), errors.ApiError)
+            self.assertEqual((failure.value.status, failure.value.code), (503, "model_load_failed"))
+            self.assertEqual(failure.value.retry_after, 15)
+            self.assertIn("next attempt in 15s", failure.value.message)
+        self.assertEqual(len(h.reactor.processes), 1)
+        h.reactor.advance(14)
+        self.assertEqual(self.failureResultOf(h.sup.ensure(h.a), errors.ApiError).value.retry_after, 1)
         # Another model is not held back by a's failures.
         h.sup.ensure(h.b)
-        self.assertEqual(len(h.reactor.processes), 3)
+        self.assertEqual(len(h.reactor.processes), 2)
 
-    def test_backoff_expires(self):
+    def test_backoff_expires_and_grows_past_what_clients_honour(self):
         h = self.h
-        for _ in range(2):
-            d = h.sup.ensure(h.a)
-            h.reactor.last.exit(1)
-            self.failureResultOf(d)
-        self.failureResultOf(h.sup.ensure(h.a))
-        h.reactor.advance(restart_delay(2))
+        d = h.sup.ensure(h.a)
+        h.reactor.last.exit(1)
+        self.failureResultOf(d)
+        h.reactor.advance(load_retry_delay(1))
+        d = h.sup.ensure(h.a)
+        self.assertEqual(len(h.reactor.processes), 2)
+        h.reactor.last.exit(1)
+        failure = self.failureResultOf(d, errors.ApiError)
+        self.assertEqual(failure.value.retry_after, 75)
+        self.assertGreater(failure.value.retry_after, 60, "past the 60 s OpenAI clients honour")
+        self.assertIn("2 times in a row", self.failureResultOf(h.sup.ensure(h.a)).value.message)
+
+    def test_killed_from_outside_while_loading_is_retried_at_once(self):
+        h = self.h
+        d = h.sup.ensure(h.a)
+        h.reactor.last.exit(signal=signal.SIGKILL)
+        self.assertIn("killed by SIGKILL", self.failureResultOf(d, errors.ApiError).value.message)
         h.sup.ensure(h.a)
-        self.assertEqual(len(h.reactor.processes), 3)
+        self.assertEqual(len(h.reactor.processes), 2)
+
+    def test_sigill_at_load_is_retried_once_with_no_repack(self):
+        h = self.h
+        d = h.sup.ensure(h.a)
+        self.assertNotIn("--no-repack", h.reactor.last.argv)
+        h.reactor.last.exit(signal=signal.SIGILL)
+        self.assertNoResult(d)
+        self.assertEqual(len(h.reactor.processes), 2)
+        self.assertIn("--no-repack", h.reactor.last.argv)
+        self.assertEqual(h.sup.safe_mode_retries, 1)
+        self.assertEqual(len(h.sup.warnings), 1)
+        self.assertIn("SIGILL", h.sup.warnings[0])
+        self.assertIn("--no-repack", h.sup.warnings[0])
+        h.make_ready("a")
+        self.successResultOf(d)
+        # The model keeps the safe flag on later starts.
+        h.sup.stop()
+        h.reactor.last.exit(0)
+        h.sup.ensure(h.a)
+        self.assertIn("--no-repack", h.reactor.last.argv)
+
+    def test_sigill_twice_is_diagnosed_in_one_short_line(self):
+        h = self.h
+        d = h.sup.ensure(h.a)
+        h.reactor.last.output("load_tensors: loading model tensors from /models/a.gguf\n")
+        h.reactor.last.exit(signal=signal.SIGILL)
+        h.reactor.last.exit(signal=signal.SIGILL)
+        failure = self.failureResultOf(d, errors.ApiError)
+        message = failure.value.message
+        self.assertEqual((failure.value.status, failure.value.code), (503, "model_load_failed"))
+        self.assertIn("killed by SIGILL", message)
+        self.assertIn("illegal instruction", message)
+        self.assertLessEqual(len(message), 300)
+        self.assertNotIn("/models/a.gguf", message)
+        self.assertEqual(h.sup.last_error, message)
+        self.assertEqual(h.sup.last_error_code, "illegal_instruction")
+        self.assertEqual(len(h.reactor.processes), 2, "one safe retry, not more")
+
+    def test_failure_message_holds_only_the_last_attempt(self):
+        h = self.h
+        d = h.sup.ensure(h.a)
+        h.reactor.last.output("llama_model_load: error loading model: first attempt broke\n")
+        h.reactor.last.exit(1)
+        self.failureResultOf(d)
+        h.reactor.advance(load_retry_delay(1))
+        d = h.sup.ensure(h.a)
+        h.reactor.last.output("llama_model_load: error loading model: second attempt broke\n")
+        h.reactor.last.exit(1)
+        message = self.failureResultOf(d, errors.ApiError).value.message
+        self.assertIn("second attempt broke", message)
+        self.assertNotIn("first attempt", message)
 
     def test_switch_stops_then_starts(self):
         h = self.h

@@ -26,12 +26,13 @@ def require_llama_server() -> str:
     return binary
 
 
-def tiny_model(directory: str, name: str, seed: int) -> str:
-    """A tiny GGUF at ``directory/name.gguf`` (written once per directory)."""
+def tiny_model(directory: str, name: str, seed: int, quant: str = "F32") -> str:
+    """A tiny GGUF at ``directory/name.gguf`` (written once per directory);
+    ``quant`` as in :func:`write_tiny_gguf` (F32, Q8_0, Q4_0)."""
     path = os.path.join(directory, f"{name}.gguf")
     if path not in _MODELS:
         os.makedirs(directory, exist_ok=True)
-        write_tiny_gguf(path, seed=seed, name=name)
+        write_tiny_gguf(path, seed=seed, name=name, quant=quant)
         _MODELS[path] = path
     return path
 
