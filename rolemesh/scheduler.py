@@ -20,13 +20,28 @@ slots.  A request for another model waits until the running ones finish
 (never switch under in-flight requests); queued requests for the current
 model may overtake it -- a switch costs a reload -- but at most
 ``starvation_bound`` times, so nothing starves.
+
+Device groups: a model that spans several devices gets one *lane* (a book
+like a device's) whose ``members`` are those devices.  Lanes that share a
+member exclude each other: at most one of them holds a model or runs
+requests at any time.  A switch on a lane therefore also waits for the
+requests of every overlapping lane, and *evicts* their (idle) models --
+``ticket.evict`` names the lanes whose children must stop before the new one
+starts.  Fairness across lanes uses the same bound: each start on a lane
+counts as an overtake of every overlapping lane's waiting head; a head that
+has been overtaken ``starvation_bound`` times claims its devices, and no
+overlapping lane starts anything until it has run (the oldest claim wins).
+
+Memory: a request may say how many bytes it needs per lane; among lanes
+without the model, those whose free memory (plus what the models they would
+evict hold) covers the need come first.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-from typing import Callable, Deque, Dict, Iterable, List, Optional
+from typing import Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import attr
 
@@ -61,6 +76,10 @@ class Ticket:
     switched: bool = False
     #: Opaque to the scheduler: what the caller needs when the ticket starts.
     context: object = None
+    #: Lanes whose children must stop before this one starts (set at start).
+    evict: List[str] = attr.Factory(list)
+    #: Bytes the model needs on each eligible lane (None: unknown).
+    need: Optional[Mapping[str, int]] = None
 
 
 @attr.s(eq=False, auto_attribs=True)
@@ -72,12 +91,24 @@ class DeviceBook:
     model: Optional[str] = None
     slots: int = 1
     free_memory: Optional[int] = None
+    #: The physical devices this lane occupies: itself, or a group's members.
+    members: Tuple[str, ...] = ()
+    #: Bytes the loaded model is estimated to hold (0: none or unknown).
+    held: int = 0
     running: List[Ticket] = attr.Factory(list)
     queue: Deque[Ticket] = attr.Factory(collections.deque)
 
     @property
     def pending(self) -> int:
         return len(self.running) + len(self.queue)
+
+    @property
+    def is_group(self) -> bool:
+        return self.members != (self.name,)
+
+    @property
+    def occupied(self) -> bool:
+        return self.model is not None or bool(self.running)
 
 
 class Scheduler:
@@ -89,9 +120,20 @@ class Scheduler:
         pending_limit: int,
         on_start: Callable[[Ticket], None],
         starvation_bound: int = 4,
+        groups: Optional[Mapping[str, Sequence[str]]] = None,
     ) -> None:
         self.devices: Dict[str, DeviceBook] = {
-            name: DeviceBook(name, i) for i, name in enumerate(devices)
+            name: DeviceBook(name, i, members=(name,)) for i, name in enumerate(devices)
+        }
+        for name, members in (groups or {}).items():
+            unknown = [m for m in members if m not in self.devices or self.devices[m].is_group]
+            if unknown or not members:
+                raise ValueError(f"group {name!r} names unknown devices {unknown}")
+            self.devices[name] = DeviceBook(name, len(self.devices), members=tuple(members))
+        #: For each lane, the other lanes that share a device with it.
+        self.overlaps: Dict[str, List[DeviceBook]] = {
+            name: [o for o in self.devices.values() if o is not b and set(o.members) & set(b.members)]
+            for name, b in self.devices.items()
         }
         self.pending_limit = pending_limit
         self.starvation_bound = starvation_bound
@@ -100,30 +142,59 @@ class Scheduler:
 
     # -- choosing -------------------------------------------------------------
 
-    def choose(self, model_id: str, only: Optional[str] = None) -> DeviceBook:
-        """The device a new request for ``model_id`` should queue on."""
-        books = [b for b in self.devices.values() if only is None or b.name == only]
+    def choose(
+        self,
+        model_id: str,
+        only: Optional[str] = None,
+        lanes: Optional[Sequence[str]] = None,
+        need: Optional[Mapping[str, int]] = None,
+    ) -> DeviceBook:
+        """The lane a new request for ``model_id`` should queue on.
+
+        ``lanes`` are the ones the model may use (default: every single
+        device); ``only`` narrows them to one (operator load, preload)."""
+        names = lanes if lanes is not None else [n for n, b in self.devices.items() if not b.is_group]
+        books = [self.devices[n] for n in names if only is None or n == only]
         room = [b for b in books if b.pending < self.pending_limit]
         if not room:
             raise QueueFull(model_id)
         holding = [b for b in room if b.model == model_id]
         if holding:
             return min(holding, key=lambda b: (b.pending, b.order))
+        fitting = [b for b in room if self._fits(b, (need or {}).get(b.name))] or room
         return min(
-            room,
-            key=lambda b: (b.pending, b.model is not None, -(b.free_memory or 0), b.order),
+            fitting,
+            key=lambda b: (
+                b.pending + sum(o.pending for o in self.overlaps[b.name]),
+                b.model is not None or any(o.occupied for o in self.overlaps[b.name]),
+                -(b.free_memory or 0),
+                b.order,
+            ),
         )
 
+    def _fits(self, book: DeviceBook, need: Optional[int]) -> bool:
+        """Free memory, plus what the models it would replace hold, covers ``need``."""
+        if need is None or book.free_memory is None:
+            return True
+        freed = book.held + sum(o.held for o in self.overlaps[book.name])
+        return book.free_memory + freed >= need
+
     def submit(
-        self, model_id: str, parallel: int = 1, device: Optional[str] = None, context: object = None
+        self,
+        model_id: str,
+        parallel: int = 1,
+        device: Optional[str] = None,
+        context: object = None,
+        lanes: Optional[Sequence[str]] = None,
+        need: Optional[Mapping[str, int]] = None,
     ) -> Ticket:
-        """Queue a request; raises QueueFull.  ``device`` pins it to one device
+        """Queue a request; raises QueueFull.  ``device`` pins it to one lane
         (operator load requests, preload).  ``on_start`` may run before this
         returns, so ``context`` carries what it needs."""
-        book = self.choose(model_id, only=device)
-        ticket = Ticket(next(self._ids), model_id, max(1, parallel), book.name, context=context)
+        book = self.choose(model_id, only=device, lanes=lanes, need=need)
+        ticket = Ticket(next(self._ids), model_id, max(1, parallel), book.name, context=context, need=need)
         book.queue.append(ticket)
-        self._pump(book)
+        self._settle(book)
         return ticket
 
     # -- events ---------------------------------------------------------------
@@ -135,7 +206,7 @@ class Scheduler:
         book = self.devices[ticket.device]  # type: ignore[index]
         book.running.remove(ticket)
         ticket.state = DONE
-        self._pump(book)
+        self._settle(book)
 
     def cancel(self, ticket: Ticket) -> None:
         """The client went away: leave the queue at once (or free the slot)."""
@@ -145,23 +216,26 @@ class Scheduler:
             book = self.devices[ticket.device]  # type: ignore[index]
             book.queue.remove(ticket)
             ticket.state = CANCELLED
-            self._pump(book)
+            self._settle(book)
 
     def model_loaded(self, device: str, model_id: str, slots: int = 1) -> None:
         """The device's child has (or is loading) ``model_id``."""
         book = self.devices[device]
         # Requests in flight for another model keep the book's model; ones for
         # this model do not (a reload under them after an unload or a crash).
+        # A lane whose devices another lane occupies cannot hold a model.
+        if any(o.occupied for o in self.overlaps[device]):
+            return
         if book.model != model_id and all(t.model_id == model_id for t in book.running):
             book.model, book.slots = model_id, max(1, slots)
-            self._pump(book)
+            self._settle(book)
 
     def model_unloaded(self, device: str, model_id: str) -> None:
         """The device's child for ``model_id`` is gone (crash, unload)."""
         book = self.devices[device]
         if book.model == model_id:
-            book.model = None
-            self._pump(book)
+            book.model, book.held = None, 0
+            self._settle(book)
 
     def set_free_memory(self, device: str, free_bytes: Optional[int]) -> None:
         self.devices[device].free_memory = free_bytes
@@ -169,23 +243,58 @@ class Scheduler:
     def is_idle(self, device: str) -> bool:
         return self.devices[device].pending == 0
 
-    # -- the per-device loop -----------------------------------------------------
+    # -- the per-lane loop -----------------------------------------------------
+
+    def _claims_over(self, book: DeviceBook) -> bool:
+        """Whether an overlapping lane's head has waited long enough that
+        ``book`` must start nothing until it has run (the oldest claim wins)."""
+        mine = book.queue[0] if book.queue and book.queue[0].overtaken >= self.starvation_bound else None
+        for other in self.overlaps[book.name]:
+            if other.queue and other.queue[0].overtaken >= self.starvation_bound:
+                if mine is None or other.queue[0].id < mine.id:
+                    return True
+        return False
 
     def _start(self, book: DeviceBook, ticket: Ticket) -> None:
         ticket.switched = book.model != ticket.model_id
+        if ticket.switched:
+            for other in self.overlaps[book.name]:
+                if other.model is not None:
+                    ticket.evict.append(other.name)
+                    other.model, other.held = None, 0
+            book.held = (ticket.need or {}).get(book.name) or 0
+        for other in self.overlaps[book.name]:
+            if other.queue and other.queue[0].overtaken < self.starvation_bound:
+                other.queue[0].overtaken += 1
         book.model, book.slots = ticket.model_id, ticket.parallel
         book.running.append(ticket)
         ticket.state = RUNNING
         self._on_start(ticket)
 
-    def _pump(self, book: DeviceBook) -> None:
+    def _settle(self, first: DeviceBook) -> None:
+        """Pump ``first``, then every lane, until nothing more can start: an
+        event on one lane can unblock the lanes that share its devices."""
+        progress = self._pump(first)
+        while True:
+            for book in list(self.devices.values()):
+                progress = self._pump(book) or progress
+            if not progress:
+                return
+            progress = False
+
+    def _pump(self, book: DeviceBook) -> bool:
+        """Start what may start on ``book``; True if anything did."""
+        started = False
         while book.queue:
+            if self._claims_over(book):
+                return started
             head = book.queue[0]
             if head.model_id == book.model:
                 if len(book.running) >= book.slots:
-                    return
+                    return started
                 book.queue.popleft()
                 self._start(book, head)
+                started = True
                 continue
             # The head needs a switch.  Queued requests for the current model
             # go first (a switch costs a reload), a bounded number of times.
@@ -197,11 +306,16 @@ class Scheduler:
                     ticket = book.queue[position]
                     del book.queue[position]
                     self._start(book, ticket)
+                    started = True
                     continue
             if book.running:
-                return  # never switch under requests in flight
+                return started  # never switch under requests in flight
+            if any(o.running for o in self.overlaps[book.name]):
+                return started  # nor while another lane uses one of its devices
             book.queue.popleft()
             self._start(book, head)  # the switch
+            started = True
+        return started
 
     @staticmethod
     def _first_for_current_model(book: DeviceBook) -> Optional[int]:

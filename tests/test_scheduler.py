@@ -24,9 +24,9 @@ class Recorder:
         self.started.append(ticket)
 
 
-def make(devices=("d0",), limit=2, bound=4):
+def make(devices=("d0",), limit=2, bound=4, groups=None):
     recorder = Recorder()
-    return Scheduler(list(devices), limit, recorder, bound), recorder
+    return Scheduler(list(devices), limit, recorder, bound, groups=groups), recorder
 
 
 class ExampleTests(SynchronousTestCase):
@@ -136,6 +136,106 @@ class ExampleTests(SynchronousTestCase):
         self.assertRaises(QueueFull, s.submit, "a", device="d1")
 
 
+class MemoryTests(SynchronousTestCase):
+    def test_prefers_a_device_whose_free_memory_holds_the_need(self):
+        s, _ = make(devices=("d0", "d1"), limit=3)
+        s.set_free_memory("d0", 8 << 30)
+        s.set_free_memory("d1", 4 << 30)
+        t = s.submit("a", need={"d0": 10 << 30, "d1": 3 << 30})
+        self.assertEqual(t.device, "d1", "d0 has more free memory but not enough; d1 fits")
+
+    def test_memory_the_replaced_model_holds_counts_as_free(self):
+        s, _ = make(devices=("d0", "d1"), limit=3)
+        t = s.submit("x", need={"d0": 6 << 30, "d1": 6 << 30})
+        self.assertEqual(t.device, "d0")
+        s.finish(t)
+        s.set_free_memory("d0", 1 << 30)  # x holds the rest
+        s.set_free_memory("d1", 4 << 30)
+        s.model_loaded("d1", "y")
+        t2 = s.submit("a", need={"d0": 5 << 30, "d1": 5 << 30})
+        self.assertEqual(t2.device, "d0", "1 GiB free + 6 GiB x holds covers 5 GiB; d1 cannot")
+
+    def test_when_nothing_fits_now_the_normal_rules_apply(self):
+        s, _ = make(devices=("d0", "d1"), limit=3)
+        s.set_free_memory("d0", 1 << 30)
+        s.set_free_memory("d1", 2 << 30)
+        self.assertEqual(s.submit("a", need={"d0": 5 << 30, "d1": 5 << 30}).device, "d1")
+
+
+class GroupTests(SynchronousTestCase):
+    """A model on the group g = d0+d1: one lane that occupies both devices."""
+
+    def make(self, limit=3, bound=4):
+        return make(devices=("d0", "d1", "d2"), limit=limit, bound=bound, groups={"g": ("d0", "d1")})
+
+    def test_unknown_member_is_refused(self):
+        self.assertRaises(ValueError, make, devices=("d0",), groups={"g": ("d0", "d9")})
+
+    def test_group_models_only_go_to_the_group_and_others_never_do(self):
+        s, _ = self.make()
+        t = s.submit("G", lanes=["g"])
+        self.assertEqual((t.device, t.state, t.evict), ("g", RUNNING, []))
+        self.assertNotEqual(s.submit("a").device, "g")
+
+    def test_group_waits_for_a_busy_member_then_evicts_it(self):
+        s, r = self.make()
+        ta = s.submit("a", device="d1")
+        tg = s.submit("G", lanes=["g"])
+        self.assertEqual(tg.state, QUEUED, "a member is busy with another model")
+        s.finish(ta)
+        self.assertEqual(tg.state, RUNNING)
+        self.assertTrue(tg.switched)
+        self.assertEqual(tg.evict, ["d1"], "d1's child must stop before the group's starts")
+        self.assertIsNone(s.devices["d1"].model)
+
+    def test_member_request_waits_for_the_groups_in_flight_request_then_switches(self):
+        s, _ = self.make()
+        tg = s.submit("G", lanes=["g"])
+        tb = s.submit("b", device="d1")
+        self.assertEqual(tb.state, QUEUED)
+        s.finish(tg)
+        self.assertEqual(tb.state, RUNNING)
+        self.assertEqual(tb.evict, ["g"])
+        self.assertIsNone(s.devices["g"].model)
+        # The other member is free again too.
+        self.assertEqual(s.submit("c", device="d0").state, RUNNING)
+
+    def test_an_unrelated_device_is_not_held_up(self):
+        s, _ = self.make()
+        s.submit("G", lanes=["g"])
+        self.assertEqual(s.submit("c", device="d2").state, RUNNING)
+
+    def test_a_busy_group_is_not_starved_out_by_its_members_nor_they_by_it(self):
+        s, _ = self.make(limit=10, bound=2)
+        tg = s.submit("G", lanes=["g"])
+        tb = s.submit("b", device="d1")
+        more = [s.submit("G", lanes=["g"]) for _ in range(3)]
+        s.finish(tg)
+        self.assertEqual(more[0].state, RUNNING, "the group's own requests may go first, a bounded number of times")
+        self.assertEqual(tb.overtaken, 1)
+        s.finish(more[0])
+        self.assertEqual(more[1].state, RUNNING)
+        self.assertEqual(tb.overtaken, 2)
+        s.finish(more[1])
+        self.assertEqual((tb.state, more[2].state), (RUNNING, QUEUED), "b's claim: the group waits for it")
+        s.finish(tb)
+        self.assertEqual(more[2].state, RUNNING)
+        self.assertEqual(more[2].evict, ["d1"])
+
+    def test_a_member_model_loaded_under_the_group_is_ignored(self):
+        s, _ = self.make()
+        s.submit("G", lanes=["g"])
+        s.model_loaded("d0", "a")
+        self.assertIsNone(s.devices["d0"].model)
+
+    def test_unload_of_a_member_evicts_the_group(self):
+        s, _ = self.make()
+        tg = s.submit("G", lanes=["g"])
+        s.finish(tg)
+        tu = s.submit("", device="d0")
+        self.assertEqual((tu.state, tu.evict), (RUNNING, ["g"]))
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Random arrive / complete / cancel / load-finished / crash sequences."""
 
@@ -224,3 +324,119 @@ class SchedulerMachine(RuleBasedStateMachine):
 class SchedulerMachineTest(SynchronousTestCase):
     def test_rules_hold_under_random_event_sequences(self):
         run_state_machine_as_test(SchedulerMachine, settings=settings(max_examples=300, stateful_step_count=40))
+
+
+LANE_MODELS = {"G": ["g"], "H": ["h"]}
+
+
+class GroupSchedulerMachine(RuleBasedStateMachine):
+    """Devices d0, d1, d2; group g = d0+d1 serves G, group h = d1+d2 serves H;
+    a, b, c go anywhere single or pinned.  Random arrivals, completions,
+    cancels, loads and crashes; then everything drains."""
+
+    DEVICES = ("d0", "d1", "d2")
+
+    def __init__(self):
+        super().__init__()
+        self.limit = 3
+        self.bound = 2
+        self.scheduler = Scheduler(list(self.DEVICES), self.limit, self.on_start, self.bound,
+                                   groups={"g": ("d0", "d1"), "h": ("d1", "d2")})
+        self.tickets = []
+
+    def lanes_covering(self, device):
+        return [b for b in self.scheduler.devices.values() if device in b.members]
+
+    def on_start(self, ticket):
+        book = self.scheduler.devices[ticket.device]
+        for other in self.scheduler.overlaps[book.name]:
+            assert not other.running, f"{book.name} started while {other.name} runs requests on a shared device"
+            assert other.model is None, f"{book.name} started while {other.name} still holds {other.model}"
+        others = [t for t in book.running if t is not ticket]
+        if ticket.switched:
+            assert not others, "switched a lane with requests in flight"
+        assert all(t.model_id == ticket.model_id for t in others), "two models running on one lane"
+
+    @rule(model=st.sampled_from(["a", "b", "c", "G", "H"]), pin=st.sampled_from([None, None, "d0", "d1", "d2"]),
+          parallel=st.sampled_from([1, 1, 2]))
+    def arrive(self, model, pin, parallel):
+        lanes = LANE_MODELS.get(model)
+        if lanes is not None:
+            pin = None
+        try:
+            ticket = self.scheduler.submit(model, parallel, device=pin, lanes=lanes)
+        except QueueFull:
+            return
+        if lanes is not None:
+            assert ticket.device in lanes
+        else:
+            assert not self.scheduler.devices[ticket.device].is_group
+        self.tickets.append(ticket)
+
+    @precondition(lambda self: any(t.state == RUNNING for t in self.tickets))
+    @rule(data=st.data())
+    def complete(self, data):
+        running = [t for t in self.tickets if t.state == RUNNING]
+        self.scheduler.finish(data.draw(st.sampled_from(running)))
+
+    @precondition(lambda self: any(t.state in (QUEUED, RUNNING) for t in self.tickets))
+    @rule(data=st.data())
+    def cancel(self, data):
+        live = [t for t in self.tickets if t.state in (QUEUED, RUNNING)]
+        self.scheduler.cancel(data.draw(st.sampled_from(live)))
+
+    @rule(lane=st.sampled_from(["d0", "d1", "d2", "g", "h"]), model=st.sampled_from([None, "a", "G"]))
+    def load_reported(self, lane, model):
+        book = self.scheduler.devices[lane]
+        self.scheduler.model_loaded(lane, model or book.model or "a")
+
+    @rule(lane=st.sampled_from(["d0", "d1", "d2", "g", "h"]))
+    def crash(self, lane):
+        book = self.scheduler.devices[lane]
+        if book.model is not None:
+            self.scheduler.model_unloaded(lane, book.model)
+
+    @invariant()
+    def no_device_serves_two_children(self):
+        for device in self.DEVICES:
+            holders = [b.name for b in self.lanes_covering(device) if b.occupied]
+            assert len(holders) <= 1, f"{device} is held by {holders}"
+
+    @invariant()
+    def bounded(self):
+        for book in self.scheduler.devices.values():
+            assert book.pending <= self.limit
+        for t in self.tickets:
+            assert t.overtaken <= self.bound
+
+    @invariant()
+    def a_waiting_lane_waits_for_running_requests(self):
+        books = self.scheduler.devices
+        for book in books.values():
+            if not book.queue or book.running:
+                continue
+            # Something it shares devices with (directly or through a chain) is running.
+            seen, todo = {book.name}, [book.name]
+            while todo:
+                for other in self.scheduler.overlaps[todo.pop()]:
+                    if other.name not in seen:
+                        seen.add(other.name)
+                        todo.append(other.name)
+            assert any(books[n].running for n in seen), f"{book.name} has a queue but nothing will wake it"
+
+    def teardown(self):
+        # Nothing starves: finishing whatever runs, oldest first, serves every
+        # queued ticket in a bounded number of steps.
+        for _ in range(10 * len(self.tickets) + 10):
+            running = [t for t in self.tickets if t.state == RUNNING]
+            if not running:
+                break
+            self.scheduler.finish(min(running, key=lambda t: t.id))
+        stuck = [(t.id, t.model_id, t.device) for t in self.tickets if t.state in (QUEUED, RUNNING)]
+        assert not stuck, f"starved: {stuck}"
+
+
+class GroupSchedulerMachineTest(SynchronousTestCase):
+    def test_groups_and_devices_under_random_event_sequences(self):
+        run_state_machine_as_test(GroupSchedulerMachine,
+                                  settings=settings(max_examples=300, stateful_step_count=40))
