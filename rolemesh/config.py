@@ -24,6 +24,7 @@ import attr
 import yaml
 
 from rolemesh.errors import ConfigError
+from rolemesh.tls import ClientTLSFiles, ServerTLSFiles, escape_endpoint_value, split_endpoint_description
 
 PLACEHOLDER_PREFIX = "/path/to/"
 BACKENDS = ("auto", "cuda", "rocm", "metal", "sycl", "vulkan", "cpu")
@@ -46,7 +47,16 @@ TOP_LEVEL_KEYS: Tuple[KeyDoc, ...] = (
     KeyDoc("node_id", "string", "the host name", "Name of this node at the dispatcher."),
     KeyDoc("listen_host", "string", "`127.0.0.1`", "Address the API listens on."),
     KeyDoc("listen_port", "integer 0-65535", "`8090`", "Port the API listens on (0 = any free port)."),
-    KeyDoc("advertise_url", "URL", "`http://<listen_host>:<listen_port>`",
+    KeyDoc("listen", "Twisted server endpoint description", "unset (`listen_host`/`listen_port`)",
+           "Where to listen instead of `listen_host`/`listen_port`, e.g. `tcp6:8090:interface=\\:\\:`, "
+           "`unix:/run/rolemesh/agent.sock` or `ssl:8443:privateKey=key.pem:certKey=cert.pem` "
+           "(same as `tls_cert_file`/`tls_key_file`)."),
+    KeyDoc("tls_cert_file", "path", "unset (plain HTTP)",
+           "PEM certificate (leaf first, then intermediates) to serve HTTPS with; TLS 1.2 or newer."),
+    KeyDoc("tls_key_file", "path", "`tls_cert_file`", "PEM private key of `tls_cert_file` (unencrypted)."),
+    KeyDoc("tls_client_ca_file", "path", "unset",
+           "Mutual TLS: clients must present a certificate signed by a CA in this PEM file."),
+    KeyDoc("advertise_url", "URL", "`http(s)://<listen_host>:<listen_port>`",
            "URL the dispatcher uses to reach this node."),
     KeyDoc("backend", "`auto`, `cuda`, `rocm`, `metal`, `sycl`, `vulkan` or `cpu`", "`auto`",
            "Device backend; `auto` picks from hardware evidence."),
@@ -75,6 +85,12 @@ TOP_LEVEL_KEYS: Tuple[KeyDoc, ...] = (
     KeyDoc("require_auth_off_loopback", "boolean", "`false`",
            "Refuse to start when listening beyond loopback without an API key (else: a loud warning)."),
     KeyDoc("dispatcher_token", "string", "unset", "Bearer token sent to the dispatcher."),
+    KeyDoc("dispatcher_ca_file", "path", "unset (the system trust store)",
+           "PEM CA certificate(s) an `https://` dispatcher's certificate must be signed by."),
+    KeyDoc("dispatcher_client_cert_file", "path", "unset",
+           "PEM client certificate presented to the dispatcher (mutual TLS)."),
+    KeyDoc("dispatcher_client_key_file", "path", "`dispatcher_client_cert_file`",
+           "PEM private key of `dispatcher_client_cert_file` (unencrypted)."),
     KeyDoc("max_request_body_bytes", "positive integer", "`8388608` (8 MiB)",
            "Larger request bodies are answered 413."),
     KeyDoc("max_connections", "positive integer", "`1024`",
@@ -170,6 +186,11 @@ class NodeConfig:
     node_id: str
     listen_host: str = "127.0.0.1"
     listen_port: int = 8090
+    #: A Twisted server endpoint description (never ``ssl:``: that becomes
+    #: ``tcp:`` plus :attr:`tls`); None = TCP on listen_host:listen_port.
+    listen: Optional[str] = None
+    #: The listener's TLS files; None = plain HTTP.
+    tls: Optional[ServerTLSFiles] = None
     advertise_url: str = ""
     backend: str = "auto"
     devices: Optional[Tuple[str, ...]] = None
@@ -183,6 +204,8 @@ class NodeConfig:
     heartbeat_interval_s: float = 5.0
     api_keys: Tuple[str, ...] = attr.ib(default=(), repr=False)
     dispatcher_token: Optional[str] = attr.ib(default=None, repr=False)
+    #: How an https:// dispatcher is verified and whom we present as.
+    dispatcher_tls: ClientTLSFiles = ClientTLSFiles()
     require_auth_off_loopback: bool = False
     max_request_body_bytes: int = 8 * 1024 * 1024
     max_connections: int = 1024
@@ -613,6 +636,87 @@ def _preload(value: Any, models: Tuple[ModelConfig, ...]) -> Tuple[Tuple[str, Op
     return tuple(out)
 
 
+_SSL_OPTIONS = ("port", "interface", "backlog", "privateKey", "certKey")
+
+
+def _endpoint_port(path: str, text: Optional[str]) -> int:
+    if text is None or not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise _fail(path, "a port number 0-65535", text)
+    return int(text)
+
+
+def _listener(
+    data: Mapping[str, Any], host: str, port: int, check_files: bool
+) -> Tuple[Optional[str], str, int, Optional[ServerTLSFiles]]:
+    """``listen`` and the ``tls_*`` keys: (endpoint or None, host, port, TLS files).
+
+    An ``ssl:`` description is turned into ``tcp:`` plus TLS files, so every
+    TLS listener gets the agent's own TLS (TLS 1.2 at least, client
+    certificates, reload).  For TCP descriptions host and port are taken
+    from the description (they feed ``advertise_url`` and the
+    unauthenticated-listener warning).
+    """
+    cert = _optional(data, "tls_cert_file", "", _string)
+    key = _optional(data, "tls_key_file", "", _string)
+    client_ca = _optional(data, "tls_client_ca_file", "", _string)
+    listen = _optional(data, "listen", "", _string)
+    if key is not None and cert is None:
+        raise ConfigError("tls_key_file: set tls_cert_file too (the certificate the key belongs to)")
+    if listen is not None:
+        positional, options = split_endpoint_description(listen)
+        kind = positional[0].lower() if positional else ""
+        if kind == "ssl":
+            if cert is not None:
+                raise ConfigError("listen: an ssl: description names its own certificate; "
+                                  "drop tls_cert_file/tls_key_file, or use tcp: with them")
+            unknown = sorted(set(options) - set(_SSL_OPTIONS))
+            if unknown:
+                raise ConfigError(f"listen: ssl option {unknown[0]} is not supported by the agent "
+                                  f"(supported: {', '.join(_SSL_OPTIONS)}; put intermediates in the certKey file)")
+            key = options.get("privateKey")
+            if not key:
+                raise ConfigError("listen: an ssl: description needs privateKey=<PEM key file>")
+            cert = options.get("certKey") or key
+            port_text = positional[1] if len(positional) > 1 else options.get("port")
+            listen = "tcp:" + str(_endpoint_port("listen", port_text)) + "".join(
+                f":{name}={escape_endpoint_value(options[name])}" for name in ("interface", "backlog")
+                if name in options)
+            positional, options = split_endpoint_description(listen)
+            kind = "tcp"
+        if kind in ("tcp", "tcp6"):
+            port = _endpoint_port("listen", positional[1] if len(positional) > 1 else options.get("port"))
+            host = options.get("interface") or ("0.0.0.0" if kind == "tcp" else "::")
+        if check_files or kind in ("tcp", "tcp6"):
+            from twisted.internet.endpoints import serverFromString
+
+            try:
+                serverFromString(None, listen)
+            except Exception as e:  # noqa: BLE001 - Twisted says ValueError, TypeError, KeyError...
+                raise ConfigError(f"listen: {_show(listen)} is not a usable endpoint description: "
+                                  f"{type(e).__name__}: {e}") from None
+    if cert is None:
+        if client_ca is not None:
+            raise ConfigError("tls_client_ca_file: needs tls_cert_file (mutual TLS is on top of TLS)")
+        return listen, host, port, None
+    return listen, host, port, ServerTLSFiles(cert, key or cert, client_ca)
+
+
+def _dispatcher_tls(data: Mapping[str, Any], url: Optional[str]) -> ClientTLSFiles:
+    files = ClientTLSFiles(
+        ca_file=_optional(data, "dispatcher_ca_file", "", _string),
+        cert_file=_optional(data, "dispatcher_client_cert_file", "", _string),
+        key_file=_optional(data, "dispatcher_client_key_file", "", _string),
+    )
+    if files.key_file is not None and files.cert_file is None:
+        raise ConfigError("dispatcher_client_key_file: set dispatcher_client_cert_file too")
+    used = [k for k, v in (("dispatcher_ca_file", files.ca_file),
+                           ("dispatcher_client_cert_file", files.cert_file)) if v is not None]
+    if used and not (url or "").startswith("https://"):
+        raise ConfigError(f"{used[0]}: only used with an https:// dispatcher_base_url, "
+                          f"got {_show(url) if url else 'none'}")
+    return files
+
+
 def validate(
     data: Mapping[str, Any],
     *,
@@ -632,6 +736,7 @@ def validate(
     listen_port = data.get("listen_port", 8090)
     if isinstance(listen_port, bool) or not isinstance(listen_port, int) or not 0 <= listen_port <= 65535:
         raise _fail("listen_port", "a port number 0-65535", listen_port)
+    listen, listen_host, listen_port, tls = _listener(data, listen_host, listen_port, check_files)
     advertise_url = _optional(data, "advertise_url", "", _url)
     if advertise_url is None:
         host = listen_host
@@ -639,7 +744,7 @@ def validate(
             host = socket.getfqdn()
         if ":" in host:
             host = f"[{host}]"
-        advertise_url = f"http://{host}:{listen_port}"
+        advertise_url = f"{'https' if tls else 'http'}://{host}:{listen_port}"
 
     backend = _choice("backend", data.get("backend", "auto"), BACKENDS)
     devices = data.get("devices")
@@ -673,6 +778,8 @@ def validate(
         node_id=node_id,
         listen_host=listen_host,
         listen_port=listen_port,
+        listen=listen,
+        tls=tls,
         advertise_url=advertise_url,
         backend=backend,
         devices=devices,
@@ -691,6 +798,7 @@ def validate(
             "max_pending_requests_per_device", data.get("max_pending_requests_per_device", 2)
         ),
         dispatcher_base_url=_optional(data, "dispatcher_base_url", "", _url),
+        dispatcher_tls=_dispatcher_tls(data, _optional(data, "dispatcher_base_url", "", _url)),
         heartbeat_interval_s=_positive_number("heartbeat_interval_s", data.get("heartbeat_interval_s", 5.0)),
         api_keys=_api_keys(data, env, check_files),
         dispatcher_token=_optional(data, "dispatcher_token", "", _string),
@@ -722,12 +830,37 @@ def redacted(data: Mapping[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _plain(value: Any) -> Any:
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _model_data(model: ModelConfig) -> Dict[str, Any]:
+    data: Dict[str, Any] = {}
+    for key in MODEL_KEYS:
+        value = getattr(model, key.name, None)
+        if key.name == "server_args":
+            value = {flag: _plain(v) for flag, v in model.server_args} or None
+        if value is not None:
+            data[key.name] = _plain(value)
+    if model.keep_loaded:
+        data["idle_unload_s"] = None
+    return data
+
+
 def as_dict(config: NodeConfig) -> Dict[str, Any]:
-    """The resolved configuration as plain data, secrets redacted."""
-    data = attr.asdict(config, recurse=True, retain_collection_types=False)
+    """The resolved configuration as configuration data, secrets redacted.
+
+    Only documented keys, in their documented shapes, so what ``--check``
+    prints is itself a valid configuration (a test feeds it back to
+    :func:`validate`).
+    """
+    data: Dict[str, Any] = {}
+    for key in TOP_LEVEL_KEYS:
+        if hasattr(config, key.name) and key.name not in ("models", "preload"):
+            data[key.name] = _plain(getattr(config, key.name))
     data["api_keys"] = ["***"] * len(config.api_keys)
-    if config.dispatcher_token:
-        data["dispatcher_token"] = "***"
-    for m in data["models"]:
-        m["server_args"] = {flag: (list(v) if isinstance(v, (list, tuple)) else v) for flag, v in m["server_args"]}
+    data["dispatcher_token"] = "***" if config.dispatcher_token else None
+    data["preload"] = [model if device is None else {"model": model, "device": device}
+                       for model, device in config.preload]
+    data["models"] = [_model_data(m) for m in config.models]
     return data

@@ -12,6 +12,7 @@ import socket
 import stat
 from typing import Any
 
+import attr
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
@@ -1127,6 +1128,25 @@ class RedactionTests(ConfigTestCase):
         text = json.dumps(data)
         for secret in ("sk-top", "sk-one", "sk-two", "dt-secret", "sk-env"):
             self.assertNotIn(secret, text)
+
+    def test_as_dict_is_itself_valid_config(self) -> None:
+        config = self.valid(dict(
+            self.SECRETS,
+            idle_unload_s=300,
+            cpu_devices=2,
+            preload=["a", {"model": "b", "device": "cpu:1"}],
+            models=[
+                model(model_id="a", path="/m/a.gguf", idle_unload_s=None, tensor_split=[1, 2], flash_attn=True, roles=["chat"],
+                      server_args={"lora": ["x", "y"], "parallel": 2, "no-mmap": True}),
+                model(model_id="b", path="/m/b.gguf", idle_unload_s=30, preload=True),
+                model(model_id="c", path="/m/c.gguf"),
+            ],
+        ))
+        again = validate(as_dict(config), check_files=False, environ={})
+        self.assertEqual(attr.evolve(again, api_keys=config.api_keys, dispatcher_token=config.dispatcher_token),
+                         config)
+        self.assertTrue(again.model("a").keep_loaded)
+        self.assertNotIn("keep_loaded", json.dumps(as_dict(config)))
 
     def test_as_dict_without_secrets(self) -> None:
         data = as_dict(self.valid({}))
