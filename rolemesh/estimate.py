@@ -1,0 +1,472 @@
+"""How much device memory a model needs, estimated from its GGUF header.
+
+Two halves, as everywhere in the agent: :func:`read_facts` is the only I/O --
+it memory-maps the file and reads the header and the tensor table (with
+the ``gguf`` package's type tables), never the weights, so it is instant even for a 100 GB file
+-- and :func:`estimate` is a pure function of those facts, the model's
+config and the kind of device, so hypothesis and recorded headers can hammer
+it.
+
+The estimate mirrors what llama-server (llama.cpp) allocates when it loads:
+
+- **weights**: the tensors placed on the device.  On a ``cpu`` device all of
+  them.  On a GPU the last ``gpu_layers`` repeating layers plus the output
+  head (llama.cpp offloads the output first, keeps the token embeddings in
+  host memory); unset, ``auto`` and ``all`` mean every layer.
+- **KV cache**: per layer ``key_length x kv_heads`` keys and
+  ``value_length x kv_heads`` values per cell, in ``cache-type-k/v`` (f16 by
+  default).  ``ctx_size`` is the total over all slots (llama-server divides
+  it, padded to 256 cells); layers with a sliding window keep only
+  ``window + ubatch`` cells -- per slot when the slots do not share one
+  unified cache (an explicit ``parallel`` without ``kv-unified``).
+  Without ``parallel`` llama-server runs 4 slots over a unified cache.
+- **compute buffer**: the scratch memory of the largest graph (one ubatch):
+  logits, the attention scores when flash attention is off, activations.
+- **reserve**: ``device_memory_reserve_bytes``, headroom the node keeps free.
+
+The figures are checked against the buffer sizes a real llama-server logs at
+load (``tests/integration/test_estimate_real.py``): within 15% on the tiny
+test models and on Gemma 3 270M.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import attr
+
+from rolemesh.config import ModelConfig
+
+MIB = 1024 * 1024
+#: llama.cpp pads the context (and the sliding-window cache) to this many cells.
+CTX_PAD = 256
+#: llama-server's defaults, used where the model's config leaves them unset.
+DEFAULT_UBATCH = 512
+DEFAULT_BATCH = 2048
+DEFAULT_CTX = 4096  # only when the GGUF has no context length either
+#: Slots llama-server runs when ``--parallel`` is not given (over a unified cache).
+DEFAULT_SLOTS = 4
+#: Every ``n``-th layer attends to the full context, the others to a window;
+#: llama.cpp's per-architecture defaults (a GGUF key may override them).
+SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "cohere2": 4}
+
+#: Bytes per element of the KV cache types llama-server accepts, as
+#: (block size, bytes per block).
+CACHE_TYPES: Dict[str, Tuple[int, int]] = {
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q8_0": (32, 34),
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "iq4_nl": (32, 18),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+}
+
+
+class EstimateError(Exception):
+    """The file is not a GGUF the estimate can read; ``str()`` is one line."""
+
+
+@attr.s(auto_attribs=True, frozen=True)
+class GGUFFacts:
+    """What the estimate needs from a GGUF header (no weights)."""
+
+    architecture: str
+    n_layer: int
+    n_embd: int
+    n_head: Tuple[int, ...]
+    n_head_kv: Tuple[int, ...]
+    key_length: int
+    value_length: int
+    n_vocab: int
+    n_ctx_train: int = 0
+    #: Sliding-window size (0: none) and which layers use it.
+    n_swa: int = 0
+    swa_layers: Tuple[bool, ...] = ()
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff: int = 0
+    #: Tensor bytes per repeating layer, the output head (``output*``) and
+    #: everything else (token embeddings, ...).
+    layer_bytes: Tuple[int, ...] = ()
+    output_bytes: int = 0
+    other_bytes: int = 0
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.output_bytes + self.other_bytes
+
+    def is_swa(self, layer: int) -> bool:
+        return self.n_swa > 0 and layer < len(self.swa_layers) and self.swa_layers[layer]
+
+
+@attr.s(auto_attribs=True, frozen=True)
+class MemoryEstimate:
+    """Bytes one child needs on its device (or device group), by part."""
+
+    weights_bytes: int
+    kv_cache_bytes: int
+    compute_bytes: int
+    reserve_bytes: int = 0
+    #: The context the KV cache was sized for (cells, after padding).
+    ctx_cells: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes + self.compute_bytes + self.reserve_bytes
+
+    def to_json(self) -> Dict[str, int]:
+        return {
+            "total_bytes": self.total_bytes,
+            "weights_bytes": self.weights_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "compute_bytes": self.compute_bytes,
+            "reserve_bytes": self.reserve_bytes,
+            "ctx_cells": self.ctx_cells,
+        }
+
+    def describe(self) -> str:
+        return (f"{gib(self.total_bytes)} (weights {gib(self.weights_bytes)}, KV cache {gib(self.kv_cache_bytes)}, "
+                f"compute {gib(self.compute_bytes)}, reserve {gib(self.reserve_bytes)})")
+
+
+def gib(n: Optional[int]) -> str:
+    """Bytes for people: ``1.50 GiB``, ``12.0 MiB``."""
+    if n is None:
+        return "unknown"
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / MIB:.1f} MiB"
+
+
+# --------------------------------------------------------------------------
+# Reading the header (the only I/O)
+
+
+#: GGUF value types (``gguf.GGUFValueType``): struct format of the scalars.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+#: Numeric arrays longer than this are skipped, not kept (vocabularies, merges).
+_KEEP_ARRAY = 65536
+
+
+class _Header:
+    """A cursor over a memory-mapped GGUF header."""
+
+    def __init__(self, buf: Any) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def take(self, fmt: str) -> Any:
+        value = struct.unpack_from("<" + fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize("<" + fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.take("Q")
+        if n > len(self.buf) - self.pos:
+            raise EstimateError("truncated string in the GGUF header")
+        text = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", "replace")
+        self.pos += n
+        return text
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self.take(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.take("I"), self.take("Q")
+            if etype in _SCALARS and count > _KEEP_ARRAY:
+                self.pos += count * struct.calcsize("<" + _SCALARS[etype])
+                return _Skipped(count)
+            if etype == _STRING and count > _KEEP_ARRAY:
+                for _ in range(count):  # each string carries its own length
+                    self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
+                return _Skipped(count)
+            return tuple(self.value(etype) for _ in range(count))
+        raise EstimateError(f"unknown GGUF value type {vtype}")
+
+
+@attr.s(auto_attribs=True, frozen=True)
+class _Skipped:
+    """A long array the estimate only needs the length of."""
+
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def parse_header(buf: Any) -> Tuple[Dict[str, Any], List[Tuple[str, Tuple[int, ...], int]]]:
+    """(key/values, [(tensor name, ggml shape, ggml type)]) from a GGUF's bytes."""
+    cursor = _Header(buf)
+    if bytes(buf[:4]) != b"GGUF":
+        raise EstimateError("not a GGUF file (bad magic)")
+    cursor.pos = 4
+    version = cursor.take("I")
+    if version not in (2, 3):
+        raise EstimateError(f"unsupported GGUF version {version}")
+    n_tensors, n_kv = cursor.take("Q"), cursor.take("Q")
+    kv: Dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cursor.string()
+        kv[key] = cursor.value(cursor.take("I"))
+    tensors = []
+    for _ in range(n_tensors):
+        name = cursor.string()
+        dims = tuple(cursor.take("Q") for _ in range(cursor.take("I")))
+        ttype = cursor.take("I")
+        cursor.take("Q")  # offset
+        tensors.append((name, dims, ttype))
+    return kv, tensors
+
+
+def tensor_bytes(shape: Tuple[int, ...], ttype: int) -> int:
+    """Bytes of a tensor of ggml ``shape`` and type (``gguf.GGML_QUANT_SIZES``)."""
+    import gguf
+
+    try:
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+    except (ValueError, KeyError):
+        raise EstimateError(f"unknown tensor type {ttype}") from None
+    elements = 1
+    for d in shape:
+        elements *= int(d)
+    return elements * size // block
+
+
+def _per_layer(value: Any, n_layer: int, default: int) -> Tuple[int, ...]:
+    if value is None:
+        return (default,) * n_layer
+    if isinstance(value, tuple):
+        values = tuple(int(v) for v in value)[:n_layer]
+        return values + (values[-1] if values else default,) * (n_layer - len(values))
+    return (int(value),) * n_layer
+
+
+def _swa_layers(arch: str, pattern: Any, n_layer: int) -> Tuple[bool, ...]:
+    if isinstance(pattern, tuple):  # one flag per layer
+        flags = tuple(bool(v) for v in pattern)[:n_layer]
+        return flags + (False,) * (n_layer - len(flags))
+    n = int(pattern) if pattern is not None else SWA_PATTERNS.get(arch, 0)
+    # llama.cpp's set_swa_pattern: 0 = every layer; else the last of each n is full.
+    return tuple(n == 0 or (il % n) < n - 1 for il in range(n_layer))
+
+
+def facts_from_header(kv: Mapping[str, Any], tensors: Sequence[Tuple[str, Tuple[int, ...], int]]) -> GGUFFacts:
+    """:class:`GGUFFacts` from a parsed header (see :func:`parse_header`)."""
+    arch = kv.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise EstimateError("no general.architecture in the GGUF header")
+
+    def key(name: str) -> Any:
+        return kv.get(f"{arch}.{name}")
+
+    n_layer = key("block_count")
+    n_embd = key("embedding_length")
+    if not isinstance(n_layer, int) or not isinstance(n_embd, int) or n_layer < 0 or n_embd <= 0:
+        raise EstimateError(f"GGUF header lacks {arch}.block_count or {arch}.embedding_length")
+    n_head = _per_layer(key("attention.head_count"), n_layer, 1)
+    n_head_kv = _per_layer(key("attention.head_count_kv"), n_layer, max(n_head, default=1))
+    head_dim = n_embd // max(1, max(n_head, default=1))
+    layer_bytes = [0] * n_layer
+    output_bytes = other_bytes = 0
+    vocab_from_embd = 0
+    for name, shape, ttype in tensors:
+        size = tensor_bytes(shape, ttype)
+        if name.startswith("blk."):
+            index = name.split(".", 2)[1]
+            if index.isdigit() and int(index) < n_layer:
+                layer_bytes[int(index)] += size
+            else:
+                other_bytes += size
+        elif name.startswith("output"):
+            output_bytes += size
+        else:
+            if name == "token_embd.weight" and len(shape) > 1:
+                vocab_from_embd = int(shape[1])
+            other_bytes += size
+    tokens = kv.get("tokenizer.ggml.tokens")
+    n_vocab = key("vocab_size") or (len(tokens) if tokens is not None else 0) or vocab_from_embd
+    n_swa = key("attention.sliding_window") or 0
+    n_ff = key("feed_forward_length")
+    return GGUFFacts(
+        architecture=arch,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        key_length=int(key("attention.key_length") or head_dim),
+        value_length=int(key("attention.value_length") or head_dim),
+        n_vocab=int(n_vocab),
+        n_ctx_train=int(key("context_length") or 0),
+        n_swa=int(n_swa) if isinstance(n_swa, int) else 0,
+        swa_layers=_swa_layers(arch, key("attention.sliding_window_pattern"), n_layer) if n_swa else (),
+        n_expert=int(key("expert_count") or 0),
+        n_expert_used=int(key("expert_used_count") or 0),
+        n_ff=int(max(n_ff) if isinstance(n_ff, tuple) else (n_ff or 0)),
+        layer_bytes=tuple(layer_bytes),
+        output_bytes=output_bytes,
+        other_bytes=other_bytes,
+    )
+
+
+def read_facts(path: str) -> GGUFFacts:
+    """Read ``path``'s GGUF header, memory-mapped (the weights are never read).
+
+    Raises :class:`EstimateError` with one line for a file that is missing,
+    not a GGUF, or lacks the fields the estimate needs.
+    """
+    try:
+        with open(path, "rb") as f:
+            try:
+                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError:  # an empty file cannot be mapped
+                raise EstimateError(f"{path}: not a GGUF file (empty)") from None
+    except OSError as e:
+        raise EstimateError(f"{path}: {e.strerror or e}") from None
+    try:
+        return facts_from_header(*parse_header(buf))
+    except EstimateError as e:
+        raise EstimateError(f"{path}: {e}") from None
+    except (struct.error, ValueError, TypeError, IndexError) as e:
+        raise EstimateError(f"{path}: not a readable GGUF header ({e})") from None
+    finally:
+        buf.close()
+
+
+# --------------------------------------------------------------------------
+# The estimate (pure)
+
+
+def _pad(n: int, to: int = CTX_PAD) -> int:
+    return -(-n // to) * to
+
+
+def _flag(model: ModelConfig, *names: str) -> Any:
+    for flag, value in model.server_args:
+        if flag in names:
+            return value
+    return None
+
+
+def _type_bytes(cache_type: Any, elements: int) -> int:
+    block, size = CACHE_TYPES.get(str(cache_type or "f16").lower(), CACHE_TYPES["f16"])
+    return elements * size // block
+
+
+def offloaded_layers(facts: GGUFFacts, gpu_layers: Any) -> int:
+    """How many of ``n_layer + 1`` offloadable layers (the output head
+    counts as one) a GPU gets for ``gpu_layers``."""
+    total = facts.n_layer + 1
+    if gpu_layers is None or gpu_layers in ("auto", "all"):
+        return total
+    return max(0, min(int(gpu_layers), total))
+
+
+def _slots(model: ModelConfig) -> Tuple[int, bool]:
+    """(slots, unified cache) as llama-server resolves them."""
+    parallel = _flag(model, "parallel", "np")
+    unified = _flag(model, "kv-unified", "kvu")
+    not_unified = _flag(model, "no-kv-unified", "no-kvu")
+    if parallel in (None, False) or int(parallel) < 0:
+        slots, shared = DEFAULT_SLOTS, True
+    else:
+        slots, shared = max(1, int(parallel)), False
+    if unified is True:
+        shared = True
+    if not_unified is True:
+        shared = False
+    return slots, shared
+
+
+def kv_cells(facts: GGUFFacts, model: ModelConfig) -> Tuple[int, int]:
+    """(cells of a full-attention layer, cells of a sliding-window layer)."""
+    ctx = model.ctx_size or facts.n_ctx_train or DEFAULT_CTX
+    ctx = _pad(ctx)
+    slots, shared = _slots(model)
+    ubatch = min(model.ubatch_size or DEFAULT_UBATCH, model.batch_size or DEFAULT_BATCH)
+    if shared:
+        full = ctx
+        swa = _pad(min(full, facts.n_swa * slots + ubatch)) if facts.n_swa else 0
+    else:
+        per_slot = _pad(max(1, ctx // slots))
+        full = per_slot * slots
+        swa = slots * _pad(min(per_slot, facts.n_swa + ubatch)) if facts.n_swa else 0
+    if facts.n_swa and _flag(model, "swa-full") is True:
+        swa = full
+    return full, swa
+
+
+def kv_cache_bytes(facts: GGUFFacts, model: ModelConfig, layers: Iterable[int]) -> int:
+    full, swa = kv_cells(facts, model)
+    type_k = _flag(model, "cache-type-k", "ctk")
+    type_v = _flag(model, "cache-type-v", "ctv")
+    total = 0
+    for il in layers:
+        cells = swa if facts.is_swa(il) else full
+        heads = facts.n_head_kv[il]
+        total += _type_bytes(type_k, facts.key_length * heads * cells)
+        total += _type_bytes(type_v, facts.value_length * heads * cells)
+    return total
+
+
+def compute_bytes(facts: GGUFFacts, model: ModelConfig, flash_attn: bool) -> int:
+    """The scratch buffer of the largest graph llama.cpp reserves (one
+    ubatch): the bigger of the output logits and the attention block (the
+    ``n_kv x ubatch x heads`` scores unless flash attention is on), plus
+    the activations of one layer."""
+    full, swa = kv_cells(facts, model)
+    ubatch = min(model.ubatch_size or DEFAULT_UBATCH, model.batch_size or DEFAULT_BATCH)
+    heads = max(facts.n_head) if facts.n_head else 1
+    n_q = heads * facts.key_length
+    logits = 4 * ubatch * (facts.n_vocab + facts.n_embd)
+    if flash_attn:
+        attention = 4 * ubatch * (4 * facts.n_embd + 2 * n_q)
+    else:
+        attention = 4 * ubatch * (4 * facts.n_embd + 2 * n_q + full * heads)
+    ffn = 4 * ubatch * (facts.n_embd + 3 * max(facts.n_ff, facts.n_embd))
+    return max(logits, attention, ffn)
+
+
+def _flash_attn(model: ModelConfig, device_kind: str) -> bool:
+    value = model.flash_attn
+    if value is None:
+        value = "auto"
+    # ``auto`` turns flash attention on wherever the device supports it; the
+    # CPU and the GPU backends all do for the architectures served here.
+    return value in ("on", "auto")
+
+
+def estimate(
+    facts: GGUFFacts,
+    model: ModelConfig,
+    device_kind: str = "gpu",
+    reserve_bytes: int = 0,
+) -> MemoryEstimate:
+    """Memory ``model`` needs on one device (or spread over a group) of
+    ``device_kind`` (``cpu`` puts every tensor on the device; anything else
+    offloads by ``gpu_layers``).  ``reserve_bytes`` is added once per
+    device the model occupies -- the caller multiplies for a group."""
+    if device_kind == "cpu":
+        weights = facts.weight_bytes
+        kv_layers = range(facts.n_layer)
+    else:
+        offloaded = offloaded_layers(facts, model.gpu_layers)
+        first = facts.n_layer + 1 - offloaded  # layers first..n_layer-1 go to the GPU
+        weights = sum(facts.layer_bytes[max(0, first):]) + (facts.output_bytes if offloaded else 0)
+        no_offload = _flag(model, "no-kv-offload", "nkvo") is True
+        kv_layers = range(0) if no_offload else range(max(0, first), facts.n_layer)
+    full, _ = kv_cells(facts, model)
+    return MemoryEstimate(
+        weights_bytes=weights,
+        kv_cache_bytes=kv_cache_bytes(facts, model, kv_layers),
+        compute_bytes=compute_bytes(facts, model, _flash_attn(model, device_kind)),
+        reserve_bytes=max(0, reserve_bytes),
+        ctx_cells=full,
+    )
