@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional, TextIO
+from typing import List, Optional, TextIO, Tuple
 
 import yaml
 
@@ -16,6 +16,7 @@ from rolemesh import __version__
 from rolemesh.config import NodeConfig, as_dict, load_config
 from rolemesh.errors import ConfigError
 from rolemesh.llama_args import build_argv
+from rolemesh.llama_build import describe as describe_build
 
 PROG = "rolemesh-node-agent"
 
@@ -39,18 +40,34 @@ def check_report(config: NodeConfig, out: TextIO) -> None:
     """What ``--check`` prints: resolved config, backend, devices, argv lists."""
     from rolemesh.service import choose_backend, resolve_binary
 
+    tls = tls_report(config)  # before any output: a bad certificate is one line and exit 2
     choice = choose_backend(config)
     binary = resolve_binary(config)
     out.write("# resolved configuration (secrets redacted)\n")
     out.write(yaml.safe_dump(as_dict(config), sort_keys=False))
     out.write(f"\n# backend: {choice.backend.name} ({choice.reason})\n")
+    fine, about = describe_build(binary)
+    out.write(f"# {about}\n" if fine else f"# WARNING: {about}\n")
     out.write("# devices: " + ", ".join(d.name for d in choice.devices) + "\n")
+    for line in tls:
+        out.write(f"# tls: {line}\n")
     out.write("\n# llama-server command per model and device (<port> is picked at start)\n")
     for model in config.models:
         for device in choice.devices:
             argv = build_argv(binary, model, 0, device_defaults=choice.backend.child_arguments(device))
             argv[argv.index("--port") + 1] = "<port>"
             out.write(f"{model.model_id} @ {device.name}: " + " ".join(argv) + "\n")
+
+
+def tls_report(config: NodeConfig) -> List[str]:
+    """Check the TLS files (readable, key matches certificate, not expired);
+    one line per fact, never key material.  Raises ConfigError."""
+    from rolemesh.tls import check_client_files, check_server_files
+
+    lines = check_server_files(config.tls) if config.tls is not None else ["listener: plain HTTP (no tls_cert_file)"]
+    if (config.dispatcher_base_url or "").startswith("https://"):
+        lines += check_client_files(config.dispatcher_tls)
+    return lines
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -64,21 +81,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.check:
             check_report(config, sys.stdout)
             return 0
-        return run(config)
+        return run(config, (args.config, args.config_override))
     except ConfigError as e:
         sys.stderr.write(f"{PROG}: {e}\n")
         return 2
 
 
-def run(config: NodeConfig) -> int:
-    """Run the agent in the foreground until a signal stops it."""
+def run(config: NodeConfig, config_paths: Tuple[Optional[str], Optional[str]] = (None, None)) -> int:
+    """Run the agent in the foreground until a signal stops it; SIGHUP
+    re-reads ``config_paths`` (base, override)."""
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner
 
     from rolemesh.logs import make_observer
     from rolemesh.service import make_service
 
-    service = make_service(config, reactor=reactor)  # ConfigError propagates: exit 2
+    service = make_service(config, reactor=reactor, config_paths=config_paths)  # ConfigError: exit 2
     globalLogBeginner.beginLoggingTo([make_observer(config.log_format, sys.stderr)], redirectStandardIO=False)
     failed: List[BaseException] = []
 

