@@ -187,10 +187,11 @@ class NodeConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 8090
     #: A Twisted server endpoint description (never ``ssl:``: that becomes
-    #: ``tcp:`` plus :attr:`tls`); None = TCP on listen_host:listen_port.
+    #: ``tcp:`` plus the tls_* files); None = TCP on listen_host:listen_port.
     listen: Optional[str] = None
-    #: The listener's TLS files; None = plain HTTP.
-    tls: Optional[ServerTLSFiles] = None
+    tls_cert_file: Optional[str] = None
+    tls_key_file: Optional[str] = None
+    tls_client_ca_file: Optional[str] = None
     advertise_url: str = ""
     backend: str = "auto"
     devices: Optional[Tuple[str, ...]] = None
@@ -204,8 +205,9 @@ class NodeConfig:
     heartbeat_interval_s: float = 5.0
     api_keys: Tuple[str, ...] = attr.ib(default=(), repr=False)
     dispatcher_token: Optional[str] = attr.ib(default=None, repr=False)
-    #: How an https:// dispatcher is verified and whom we present as.
-    dispatcher_tls: ClientTLSFiles = ClientTLSFiles()
+    dispatcher_ca_file: Optional[str] = None
+    dispatcher_client_cert_file: Optional[str] = None
+    dispatcher_client_key_file: Optional[str] = None
     require_auth_off_loopback: bool = False
     max_request_body_bytes: int = 8 * 1024 * 1024
     max_connections: int = 1024
@@ -225,6 +227,19 @@ class NodeConfig:
             if m.model_id == model_id:
                 return m
         raise KeyError(model_id)
+
+    @property
+    def tls(self) -> Optional[ServerTLSFiles]:
+        """The listener's TLS files; None = plain HTTP."""
+        if self.tls_cert_file is None:
+            return None
+        return ServerTLSFiles(self.tls_cert_file, self.tls_key_file or self.tls_cert_file, self.tls_client_ca_file)
+
+    @property
+    def dispatcher_tls(self) -> ClientTLSFiles:
+        """How an https:// dispatcher is verified and whom we present as."""
+        return ClientTLSFiles(self.dispatcher_ca_file, self.dispatcher_client_cert_file,
+                              self.dispatcher_client_key_file or self.dispatcher_client_cert_file)
 
     @property
     def exposed_without_key(self) -> bool:
@@ -701,16 +716,15 @@ def _listener(
     return listen, host, port, ServerTLSFiles(cert, key or cert, client_ca)
 
 
-def _dispatcher_tls(data: Mapping[str, Any], url: Optional[str]) -> ClientTLSFiles:
-    files = ClientTLSFiles(
-        ca_file=_optional(data, "dispatcher_ca_file", "", _string),
-        cert_file=_optional(data, "dispatcher_client_cert_file", "", _string),
-        key_file=_optional(data, "dispatcher_client_key_file", "", _string),
-    )
-    if files.key_file is not None and files.cert_file is None:
+_DISPATCHER_TLS_KEYS = ("dispatcher_ca_file", "dispatcher_client_cert_file", "dispatcher_client_key_file")
+
+
+def _dispatcher_tls(data: Mapping[str, Any], url: Optional[str]) -> Dict[str, Optional[str]]:
+    """The dispatcher_* TLS keys, checked against each other and the URL."""
+    files = {key: _optional(data, key, "", _string) for key in _DISPATCHER_TLS_KEYS}
+    if files["dispatcher_client_key_file"] is not None and files["dispatcher_client_cert_file"] is None:
         raise ConfigError("dispatcher_client_key_file: set dispatcher_client_cert_file too")
-    used = [k for k, v in (("dispatcher_ca_file", files.ca_file),
-                           ("dispatcher_client_cert_file", files.cert_file)) if v is not None]
+    used = [key for key, value in files.items() if value is not None]
     if used and not (url or "").startswith("https://"):
         raise ConfigError(f"{used[0]}: only used with an https:// dispatcher_base_url, "
                           f"got {_show(url) if url else 'none'}")
@@ -779,7 +793,9 @@ def validate(
         listen_host=listen_host,
         listen_port=listen_port,
         listen=listen,
-        tls=tls,
+        tls_cert_file=tls.cert_file if tls else None,
+        tls_key_file=tls.key_file if tls else None,
+        tls_client_ca_file=tls.client_ca_file if tls else None,
         advertise_url=advertise_url,
         backend=backend,
         devices=devices,
@@ -798,7 +814,7 @@ def validate(
             "max_pending_requests_per_device", data.get("max_pending_requests_per_device", 2)
         ),
         dispatcher_base_url=_optional(data, "dispatcher_base_url", "", _url),
-        dispatcher_tls=_dispatcher_tls(data, _optional(data, "dispatcher_base_url", "", _url)),
+        **_dispatcher_tls(data, _optional(data, "dispatcher_base_url", "", _url)),
         heartbeat_interval_s=_positive_number("heartbeat_interval_s", data.get("heartbeat_interval_s", 5.0)),
         api_keys=_api_keys(data, env, check_files),
         dispatcher_token=_optional(data, "dispatcher_token", "", _string),

@@ -25,8 +25,9 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from rolemesh import __version__
-from rolemesh.http_client import quiet_treq
+from rolemesh.http_client import quiet_pool, quiet_treq
 from rolemesh.payloads import deregistration_payload
+from rolemesh.tls import describe_tls_failure
 
 REGISTER_PATH = "/v1/nodes/register"
 HEARTBEAT_PATH = "/v1/nodes/heartbeat"
@@ -110,8 +111,13 @@ def classify(kind: str, code: int | None) -> str:
     return REJECTED
 
 
-def _default_http(reactor: Any, timeout: float) -> Any:
+def _default_http(reactor: Any, timeout: float, tls_policy: Any = None) -> Any:
     """A treq ``HTTPClient`` on ``reactor`` with a bounded connect time.
+
+    ``tls_policy`` (an ``IPolicyForHTTPS``, see
+    :func:`rolemesh.tls.dispatcher_tls_policy`) decides how an https://
+    dispatcher is verified and which client certificate is shown; without
+    it treq's default applies (the system trust store).
 
     Non-persistent connections: one short request every few seconds does not
     need a pool, a POST on a stale kept-alive connection would fail (and read
@@ -119,7 +125,31 @@ def _default_http(reactor: Any, timeout: float) -> Any:
     connections are quiet so each beat does not log "Starting factory" /
     "Stopping factory".
     """
-    return quiet_treq(reactor, persistent=False, connect_timeout=timeout)
+    if tls_policy is None:
+        return quiet_treq(reactor, persistent=False, connect_timeout=timeout)
+    from treq.client import HTTPClient
+    from twisted.web.client import Agent
+
+    return HTTPClient(Agent(reactor, contextFactory=tls_policy, connectTimeout=timeout,
+                            pool=quiet_pool(reactor, persistent=False)))
+
+
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def plaintext_off_loopback(url: str) -> bool:
+    """True for an ``http://`` URL whose host is not loopback: the token and
+    every payload would cross the network in the clear."""
+    scheme, sep, rest = url.partition("://")
+    if scheme.lower() != "http" or not sep:
+        return False
+    host = rest.partition("/")[0].rpartition("@")[2]
+    if host.startswith("["):
+        host = host[: host.find("]") + 1]
+    else:
+        host = host.partition(":")[0]
+    host = host.lower()
+    return not (host in _LOOPBACK_NAMES or host.startswith("127.") or host.endswith(".localhost"))
 
 
 def _without_userinfo(url: str) -> str:
@@ -168,6 +198,7 @@ class DispatcherClient(Service):
         deregister_timeout: float = 2.0,
         random: Callable[[], float] = _random.random,
         on_result: Callable[[str, bool], None] | None = None,
+        tls_policy: Any = None,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be positive, got {interval!r}")
@@ -183,7 +214,7 @@ class DispatcherClient(Service):
         self._heartbeat = heartbeat
         self.interval = float(interval)
         self._reactor = reactor
-        self._http = http if http is not None else _default_http(reactor, request_timeout)
+        self._http = http if http is not None else _default_http(reactor, request_timeout, tls_policy)
         self.request_timeout = float(request_timeout)
         self.deregister_timeout = float(deregister_timeout)
         cap = float(backoff_cap) if backoff_cap is not None else self.interval
@@ -221,6 +252,12 @@ class DispatcherClient(Service):
     def startService(self) -> None:
         """Start registering in the background; never blocks start-up."""
         super().startService()
+        if plaintext_off_loopback(self.base_url):
+            self.log.warn(  # noqa: G010 - twisted.logger.Logger has warn(), not warning()
+                "dispatcher_base_url {dispatcher} is plain http:// to another host: credentials and node "
+                "state cross the network unencrypted and the dispatcher is not authenticated; use https://",
+                dispatcher=self.display_url,
+            )
         self._schedule(0)
 
     def stopService(self) -> Deferred[None]:
@@ -480,6 +517,9 @@ class DispatcherClient(Service):
         if reasons:
             value = reasons[0].value
             name = type(value).__name__
+        tls = describe_tls_failure(value)
+        if tls is not None:
+            return self._scrub(tls)
         text = str(value).strip()
         return self._scrub(f"{name}: {text}" if text else name)
 

@@ -5,7 +5,9 @@ its request a byte at a time (slow loris) would hold a connection -- and,
 once its request is queued, a device slot -- for ever.  :class:`GuardedSite`
 adds an absolute deadline for receiving each whole request (headers and
 body), and a cap on open client connections.  Time spent answering (a long
-stream) is not limited here.
+stream) is not limited here.  :func:`listening_service` puts the site on
+TCP ``listen_host:listen_port`` or on any Twisted endpoint (``listen``),
+behind TLS when the config has a certificate.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 import io
 from typing import Any, Optional
 
+from twisted.application.internet import StreamServerEndpointService, TCPServer
+from twisted.internet.endpoints import serverFromString
 from twisted.logger import Logger
+from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
 
@@ -138,3 +143,53 @@ class GuardedSite(Site):
         if channel is not None:
             self.open_connections += 1
         return channel
+
+
+class _TLSSiteFactory(TLSMemoryBIOFactory):
+    """TLS around a GuardedSite; a connection the site refuses (the cap) is
+    refused here too instead of being wrapped around nothing."""
+
+    def buildProtocol(self, addr: Any) -> Any:  # noqa: N802 - Twisted's name
+        inner = self.wrappedFactory.buildProtocol(addr)
+        if inner is None:
+            return None
+        return self.protocol(self, inner)
+
+
+class _EndpointListener(StreamServerEndpointService):
+    """StreamServerEndpointService that fails start-up when it cannot listen
+    (like ``TCPServer``) and keeps the listening port in ``_port``."""
+
+    _port: Any = None
+
+    def __init__(self, endpoint: Any, factory: Any) -> None:
+        super().__init__(endpoint, factory)
+        self._raiseSynchronously = True
+
+    def privilegedStartService(self) -> None:  # noqa: N802 - Twisted's name
+        super().privilegedStartService()
+        if self._waitingForPort is not None:
+            self._waitingForPort.addCallback(self._listening)
+
+    def _listening(self, port: Any) -> Any:
+        self._port = port
+        return port
+
+
+def listening_service(site: Site, *, host: str, port: int, endpoint: Optional[str] = None,
+                      tls: Any = None, reactor: Any = None) -> Any:
+    """The service that listens for ``site``.
+
+    ``endpoint`` is a Twisted server endpoint description (``tcp6:...``,
+    ``unix:...``); without it the site listens on TCP ``host:port``.  ``tls``
+    is an ``IOpenSSLServerConnectionCreator`` (:class:`rolemesh.tls.ServerTLS`)
+    that wraps every connection in TLS, whatever the endpoint.
+    """
+    factory: Any = site if tls is None else _TLSSiteFactory(tls, False, site, clock=reactor)
+    if endpoint is None:
+        return TCPServer(port, factory, interface=host, reactor=reactor)
+    if reactor is None:
+        from twisted.internet import reactor as global_reactor
+
+        reactor = global_reactor
+    return _EndpointListener(serverFromString(reactor, endpoint), factory)

@@ -167,6 +167,13 @@ class WorkedExampleTests(SynchronousTestCase):
             "dispatcher_token",
             "idle_unload_s",
             "preload",
+            "listen",
+            "tls_cert_file",
+            "tls_key_file",
+            "tls_client_ca_file",
+            "dispatcher_ca_file",
+            "dispatcher_client_cert_file",
+            "dispatcher_client_key_file",
         ]
         for key in accepting:
             validate({key: None}, check_files=False, environ={})
