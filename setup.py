@@ -19,7 +19,8 @@ setup(
     packages=["rolemesh", "rolemesh.backends", "rolemesh.schemas", "twisted.plugins"],
     package_data={"rolemesh.schemas": ["*.json"], "twisted.plugins": ["rolemesh_node.py"]},
     install_requires=[
-        "twisted>=24.3",
+        "twisted[tls]>=24.3",  # pyOpenSSL, service-identity, idna: HTTPS listener and dispatcher
+        "cryptography>=42",  # certificate checks (rolemesh.tls); tests generate certificates with it
         "klein>=23.5",
         "treq>=23.11",
         "pyyaml>=6.0",
