@@ -26,6 +26,8 @@ from rolemesh import errors
 from rolemesh.config import NodeConfig
 from rolemesh.node import Node
 from rolemesh.proxy import CLIENT_GONE, TRUNCATED, Proxy, UpstreamUnreachable
+from rolemesh.readiness import Readiness
+from rolemesh.reload import ReloadResult
 from rolemesh.supervisor import READY
 
 log = Logger()
@@ -125,15 +127,24 @@ class NodeAPI:
         registration: Optional[Callable[[], Dict[str, Any]]] = None,
         render_metrics: Optional[Callable[[], bytes]] = None,
         observers: Sequence[Callable[..., None]] = (),
+        readiness: Optional[Callable[[], Readiness]] = None,
+        reload: Optional[Callable[[str], ReloadResult]] = None,
     ) -> None:
-        self.config = config
         self.node = node
         self.proxy = proxy
         self._registration = registration
         self._render_metrics = render_metrics
-        self._keys = [k.encode("utf-8") for k in config.api_keys]
+        self._readiness = readiness
+        self._reload = reload
+        self.use_config(config)
         #: Called as observer(event, **fields) for each finished proxied request.
         self.observers = list(observers)
+
+    def use_config(self, config: NodeConfig) -> None:
+        """Serve with ``config`` from the next request on (a reload: models,
+        keys, limits)."""
+        self.config = config
+        self._keys = [k.encode("utf-8") for k in config.api_keys]
 
     def resource(self) -> Any:
         return _Utf8Guard(self.app.resource())
@@ -177,7 +188,7 @@ class NodeAPI:
 
     @app.handle_errors(MethodNotAllowed)
     def _not_allowed(self, request: Any, failure: Any) -> bytes:
-        if request.path != b"/health":
+        if request.path not in (b"/health", b"/ready"):
             denied = self._unauthorized(request)
             if denied is not None:
                 return denied
@@ -207,6 +218,25 @@ class NodeAPI:
     @app.route("/health", methods=["GET"])
     def health(self, request: Any) -> bytes:
         return _json(request, 200, {"status": "ok", "draining": self.node.draining})
+
+    @app.route("/ready", methods=["GET"])
+    def ready(self, request: Any) -> bytes:
+        """200 when the agent can take work, else 503 naming what fails (no auth)."""
+        if self._readiness is None:
+            raise errors.ApiError(404, "readiness is not available", "invalid_request_error", "not_found")
+        readiness = self._readiness()
+        return _json(request, 200 if readiness.ready else 503, readiness.to_json())
+
+    @app.route("/v1/node/reload", methods=["POST"])
+    def reload(self, request: Any) -> bytes:
+        """Re-read the config files; 400 with the one-line error if invalid."""
+        self._authorize(request)
+        if self._reload is None:
+            raise errors.ApiError(404, "reload is not available", "invalid_request_error", "not_found")
+        result = self._reload("POST /v1/node/reload")
+        if not result.ok:
+            raise _bad_request(result.error or "reload failed", "invalid_config")
+        return _json(request, 200, result.to_json())
 
     @app.route("/v1/models", methods=["GET"])
     def models(self, request: Any) -> bytes:

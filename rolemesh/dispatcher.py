@@ -242,6 +242,7 @@ class DispatcherClient(Service):
         self._builder_broken = False
         self._call: Any = None
         self._inflight: Deferred[Any] | None = None
+        self._register_again = False
 
     def __repr__(self) -> str:
         return f"<DispatcherClient {self.display_url} state={self.state}>"
@@ -283,6 +284,20 @@ class DispatcherClient(Service):
         d.addErrback(swallow)
         return d
 
+    def reregister(self, token: str | None) -> None:
+        """Register afresh now (after a config reload: the payload, the
+        token or both may have changed); heartbeats follow as usual."""
+        self._token = token or None
+        self._registered = False
+        if not self.running:
+            return
+        if self._inflight is not None:
+            self._register_again = True
+            return
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self._schedule(0)
+
     # ------------------------------------------------------------------
     # The loop
 
@@ -300,6 +315,10 @@ class DispatcherClient(Service):
 
         def done(delay: float) -> None:
             self._inflight = None
+            if self._register_again:  # a reregister() came while this step ran
+                self._register_again = False
+                self._registered = False
+                delay = 0.0
             self._schedule(delay)
 
         def failed(failure: Failure) -> None:

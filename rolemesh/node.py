@@ -99,6 +99,8 @@ class Node(MultiService, UsesReactor):
         self._metrics_interval = metrics_interval
         self._metrics_loop: Optional[LoopingCall] = None
         self._sampling = False
+        #: Start-up preloads not finished yet (``GET /ready`` waits for them).
+        self.preloading = 0
         #: Hooks for the metrics module: called with (event, **fields).
         self.observers: List[Callable[..., None]] = []
 
@@ -118,9 +120,17 @@ class Node(MultiService, UsesReactor):
         self._metrics_loop.start(self._metrics_interval, now=True)
         for model in self.config.models:
             if model.preload:
-                self.preload(model)
+                self._startup_preload(self.preload(model))
         for model_id, device in self.config.preload:
-            self.preload(self.config.model(model_id), device)
+            self._startup_preload(self.preload(self.config.model(model_id), device))
+
+    def _startup_preload(self, d: "Deferred[Optional[str]]") -> None:
+        self.preloading += 1
+
+        def done(result: Optional[str]) -> None:
+            self.preloading -= 1
+
+        d.addBoth(done)
 
     def preload(self, model: ModelConfig, device: Optional[str] = None) -> "Deferred[Optional[str]]":
         """Load ``model`` as a request would, then release the device at once."""
@@ -263,6 +273,8 @@ class Node(MultiService, UsesReactor):
             for d in waiting:
                 d.callback(None)
         if self.scheduler.is_idle(device):
+            if self._retire_if_removed(device):
+                return
             self._arm_idle_timer(device)
 
     # -- idle unload ------------------------------------------------------------------
@@ -292,6 +304,46 @@ class Node(MultiService, UsesReactor):
         self._emit("idle_unload", device=device, model=supervisor.model.model_id)
         supervisor.stop()
 
+    # -- reload ---------------------------------------------------------------------
+
+    def reconfigure(self, config: NodeConfig) -> None:
+        """Adopt a reloaded config (see :mod:`rolemesh.reload`).
+
+        New models are servable at once.  A device holding a model that left
+        the config stops its child once no request runs or waits there.  A
+        device holding a model whose llama-server command changed is unbooked,
+        so the next request for it is a switch: it waits for the requests in
+        flight, then restarts the child with the new command.  Other changes
+        (roles, idle_unload_s) are adopted by the running child as it is.
+        """
+        from rolemesh.reload import needs_new_child
+
+        self.config = config
+        self.scheduler.pending_limit = config.max_pending_requests_per_device
+        current = {m.model_id: m for m in config.models}
+        for name, supervisor in self.supervisors.items():
+            held = supervisor.model
+            if held is None:
+                continue
+            new = current.get(held.model_id)
+            if new is not None and not needs_new_child(held, new):
+                supervisor.model = new  # same command line: the running child serves it as is
+            elif self.scheduler.devices[name].model == held.model_id:
+                self.scheduler.model_unloaded(name, held.model_id)
+            if self.scheduler.is_idle(name):
+                self._retire_if_removed(name)
+
+    def _retire_if_removed(self, device: str) -> bool:
+        """Stop an idle device's child whose model left the config."""
+        supervisor = self.supervisors[device]
+        held = supervisor.loading_or_loaded
+        if held is None or any(m.model_id == held for m in self.config.models):
+            return False
+        log.info("unloading {model} from {device}: removed from the configuration", model=held, device=device)
+        self._cancel_idle_timer(device)
+        supervisor.stop()
+        return True
+
     # -- supervisor events -------------------------------------------------------------
 
     def _supervisor_changed(self, supervisor: DeviceSupervisor) -> None:
@@ -299,7 +351,8 @@ class Node(MultiService, UsesReactor):
         if model is None:
             return
         if supervisor.state in (STARTING, READY):
-            self.scheduler.model_loaded(supervisor.name, model.model_id, model.parallel)
+            if model in self.config.models:  # not a model a reload removed or changed
+                self.scheduler.model_loaded(supervisor.name, model.model_id, model.parallel)
         elif supervisor.state in (STOPPED, FAILED):
             self.scheduler.model_unloaded(supervisor.name, model.model_id)
         if supervisor.state == READY and self.scheduler.is_idle(supervisor.name):
