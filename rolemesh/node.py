@@ -27,6 +27,7 @@ from rolemesh.interfaces import IDeviceBackend
 from rolemesh.reactor import UsesReactor
 from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
 from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor
+from rolemesh.telemetry import TelemetrySampler, device_issues, load_progress
 
 log = Logger()
 
@@ -60,6 +61,8 @@ class _Acquisition:
     model: ModelConfig
     result: Deferred
     loading: Optional[Deferred] = None
+    #: When it joined the queue (reactor seconds), for the queue-wait histogram.
+    queued_at: float = 0.0
 
 
 @attr.s(eq=False, auto_attribs=True)
@@ -78,6 +81,7 @@ class Node(MultiService, UsesReactor):
         supervisors: Sequence[DeviceSupervisor],
         reactor: Any = None,
         metrics_interval: float = METRICS_INTERVAL_S,
+        telemetry_get: Optional[Callable[..., Deferred]] = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -103,6 +107,9 @@ class Node(MultiService, UsesReactor):
         self.preloading = 0
         #: Hooks for the metrics module: called with (event, **fields).
         self.observers: List[Callable[..., None]] = []
+        #: The children's own telemetry, sampled on the metrics interval.
+        self.telemetry = TelemetrySampler(self.supervisors, reactor=reactor, get=telemetry_get)
+        self._loading_since: Dict[str, float] = {}
 
     def _emit(self, event: str, **fields: Any) -> None:
         for observer in list(self.observers):
@@ -115,7 +122,7 @@ class Node(MultiService, UsesReactor):
 
     def startService(self) -> None:
         super().startService()
-        self._metrics_loop = LoopingCall(self.sample_metrics)
+        self._metrics_loop = LoopingCall(self._sample)
         self._metrics_loop.clock = self.reactor
         self._metrics_loop.start(self._metrics_interval, now=True)
         for model in self.config.models:
@@ -147,8 +154,14 @@ class Node(MultiService, UsesReactor):
         return d.addCallbacks(loaded, failed)
 
     def drain(self, grace: float) -> "Deferred[None]":
-        """Refuse new requests; fire when in-flight ones are done or ``grace`` passed."""
+        """Refuse new requests; fire when in-flight ones are done or ``grace`` passed.
+
+        Requests that have not begun -- queued, or waiting on a model load --
+        are answered 503 ``shutting_down`` at once: only answers already
+        being generated are waited for.
+        """
         self.draining = True
+        self._refuse_waiting()
         if self._all_idle():
             return defer.succeed(None)
         d: Deferred = Deferred()
@@ -156,6 +169,27 @@ class Node(MultiService, UsesReactor):
         timer = self.reactor.callLater(grace, self._drain_timeout, d)
         d.addBoth(lambda r: (timer.cancel() if timer.active() else None, r)[1])
         return d
+
+    def in_flight(self) -> int:
+        """Requests being answered or waiting to be, on every device."""
+        return sum(book.pending for book in self.scheduler.devices.values())
+
+    def _refuse_waiting(self) -> None:
+        for book in list(self.scheduler.devices.values()):
+            for ticket in list(book.queue):
+                self.scheduler.cancel(ticket)
+                self._refuse(ticket.context)
+            for ticket in list(book.running):
+                request = ticket.context
+                if isinstance(request, _Acquisition) and request.loading is not None and not request.loading.called:
+                    self._refuse(request)
+                    request.loading.cancel()  # frees the ticket through its errback
+
+    @staticmethod
+    def _refuse(request: Any) -> None:
+        result = getattr(request, "result", None)
+        if result is not None and not result.called:
+            result.errback(errors.shutting_down())
 
     def _drain_timeout(self, d: Deferred) -> None:
         if not d.called:
@@ -171,6 +205,7 @@ class Node(MultiService, UsesReactor):
         self.draining = True
         if self._metrics_loop is not None and self._metrics_loop.running:
             self._metrics_loop.stop()
+        self.telemetry.stop()
         for timer in self._idle_timers.values():
             if timer.active():
                 timer.cancel()
@@ -198,7 +233,8 @@ class Node(MultiService, UsesReactor):
     def acquire(self, model: ModelConfig, device: Optional[str] = None) -> "Deferred[Lease]":
         if self.draining:
             return defer.fail(errors.shutting_down())
-        request = _Acquisition(model, Deferred(lambda d: self._cancel(ticket, request)))
+        request = _Acquisition(model, Deferred(lambda d: self._cancel(ticket, request)),
+                               queued_at=self.reactor.seconds())
         try:
             ticket = self.scheduler.submit(model.model_id, model.parallel, device, context=request)
         except QueueFull:
@@ -244,8 +280,14 @@ class Node(MultiService, UsesReactor):
             self._unload_started(ticket, ticket.context)
             return
         request: _Acquisition = ticket.context  # type: ignore[assignment]
+        if self.draining:  # started by a drain freeing its device: not begun, so refused
+            self.scheduler.finish(ticket)
+            self._refuse(request)
+            return
         supervisor = self.supervisors[ticket.device]  # type: ignore[index]
         self._cancel_idle_timer(supervisor.name)
+        self._emit("queue_wait", device=supervisor.name, model=request.model.model_id,
+                   seconds=self.reactor.seconds() - request.queued_at)
         request.loading = supervisor.ensure(request.model)
 
         def ready(endpoint: ChildEndpoint) -> None:
@@ -350,6 +392,8 @@ class Node(MultiService, UsesReactor):
         model = supervisor.model
         if model is None:
             return
+        if supervisor.state == STARTING:
+            self._loading_since[supervisor.name] = self.reactor.seconds()
         if supervisor.state in (STARTING, READY):
             if model in self.config.models:  # not a model a reload removed or changed
                 self.scheduler.model_loaded(supervisor.name, model.model_id, model.parallel)
@@ -360,6 +404,41 @@ class Node(MultiService, UsesReactor):
         self._emit("child_state", device=supervisor.name, state=supervisor.state, model=model.model_id)
 
     # -- metrics ------------------------------------------------------------------------
+
+    def _sample(self) -> "Deferred[None]":
+        """One metrics tick: the children's telemetry (on its own, never
+        waited for) and the device sample."""
+        try:
+            self.telemetry.sample()
+        except Exception:
+            log.failure("telemetry sample failed to start")
+        return self.sample_metrics()
+
+    def _telemetry_state(self, supervisor: DeviceSupervisor, queued: int,
+                         metrics: Optional[DeviceMetrics]) -> Dict[str, Any]:
+        """A device's routing figures (slots, queue, tokens/s), its typed
+        issues and its load progress, for the heartbeat and the inventory."""
+        telemetry = self.telemetry.latest(supervisor.name)
+        deferred = telemetry.requests_deferred if telemetry is not None else None
+        return {
+            "slots_total": telemetry.slots_total if telemetry is not None else None,
+            "slots_busy": telemetry.slots_busy if telemetry is not None else None,
+            "slots_free": telemetry.slots_free if telemetry is not None else None,
+            "queue_depth": queued + int(deferred or 0),
+            "tokens_per_s": telemetry.tokens_per_s if telemetry is not None else None,
+            "issues": device_issues(supervisor, telemetry, metrics),
+            "load": self.load_progress(supervisor.name),
+        }
+
+    def load_progress(self, device: str) -> Optional[Dict[str, Any]]:
+        """How far the device's child has got loading (None unless it is
+        starting), from the child's own output lines."""
+        supervisor = self.supervisors[device]
+        if supervisor.state != STARTING or supervisor.model is None:
+            return None
+        now = self.reactor.seconds()
+        since = self._loading_since.get(device, now)
+        return load_progress(list(supervisor.logs), supervisor.model.model_id, since).to_json(now)
 
     def sample_metrics(self) -> "Deferred[None]":
         """Take one metrics sample; a failed or slow one marks samples stale."""
@@ -423,6 +502,7 @@ class Node(MultiService, UsesReactor):
                     "pending_limit": self.scheduler.pending_limit,
                     "restarts": snap["restarts"],
                     "metrics": metrics.to_json(now) if metrics else None,
+                    **self._telemetry_state(supervisor, len(book.queue), metrics),
                 }
             )
         return out
@@ -432,9 +512,15 @@ class Node(MultiService, UsesReactor):
         devices = []
         for device in self.devices:
             entry = {"ref": device.to_json(), **states[device.name]}
-            entry["last_error"] = self.supervisors[device.name].last_error
+            supervisor = self.supervisors[device.name]
+            entry["last_error"] = supervisor.last_error
+            entry["last_error_code"] = supervisor.last_error_code
+            entry["warnings"] = supervisor.warnings
+            telemetry = self.telemetry.latest(device.name)
+            entry["slots"] = telemetry.slots_json() if telemetry is not None else None
+            entry["throughput"] = telemetry.throughput_json() if telemetry is not None else None
             devices.append(entry)
-        warnings = []
+        warnings = [w for s in self.supervisors.values() for w in s.warnings]
         if self.config.exposed_without_key:
             warnings.append(f"listening on {self.config.listen_host} without an api_key: anyone who can reach "
                             "the port can use every model on this node")

@@ -218,6 +218,12 @@ class NodeAgentService(MultiService, UsesReactor):
         # Drain while still listening, so new requests get a clear 503
         # shutting_down instead of a refused connection.
         drain = self.node.drain(self.config.shutdown_grace_s)
+        busy = self.node.in_flight()
+        if busy:
+            log.warn("shutting down: draining {count} request(s) in flight, up to {grace:g} s; "
+                     "signal again (Ctrl-C) to stop now", count=busy, grace=self.config.shutdown_grace_s)
+        else:
+            log.info("shutting down: no request in flight")
         self._drain = defer.Deferred()
         drain.addBoth(lambda _: None if self._drain is None or self._drain.called else self._drain.callback(None))
         await self._drain

@@ -224,11 +224,17 @@ class AcquireTests(SynchronousTestCase):
         h.child().exit(1)
         failure = self.failureResultOf(d, errors.ApiError)
         self.assertEqual((failure.value.status, failure.value.code), (503, "model_load_failed"))
-        # The queued request gets its own attempt (first failure: retried at once).
-        self.assertNoResult(queued)
+        # The queued request meets the back-off: 503 at once, nothing spawned.
+        failure = self.failureResultOf(queued, errors.ApiError)
+        self.assertEqual((failure.value.status, failure.value.code), (503, "model_load_failed"))
+        self.assertEqual(failure.value.retry_after, 15)
+        self.assertEqual(len(h.reactor.processes), 1)
+        self.assertTrue(h.idle())
+        h.reactor.advance(15)
+        d = h.node.acquire(h.model("a"))
         self.assertEqual(len(h.reactor.processes), 2)
         h.answer("alpha")
-        self.successResultOf(queued).release()
+        self.successResultOf(d).release()
         self.assertTrue(h.idle())
 
     def test_switch_waits_for_in_flight_request(self) -> None:
@@ -442,13 +448,26 @@ class DrainTests(SynchronousTestCase):
         h.answer("alpha")
         lease = self.successResultOf(d1)
         drained = h.node.drain(30)
+        # The queued request had not begun: refused at once, not left to the end.
+        self.assertEqual(self.failureResultOf(d2, errors.ApiError).value.code, "shutting_down")
+        self.assertEqual(h.node.in_flight(), 1)
         self.assertNoResult(drained)
         lease.release()
-        self.assertNoResult(drained)  # a queued request is still pending
-        self.successResultOf(d2).release()
         self.successResultOf(drained)
         self.assertEqual([c for c in h.reactor.getDelayedCalls() if c.active()
                           and getattr(c, "func", None) == h.node._drain_timeout], [])
+
+    def test_request_waiting_on_a_load_is_refused_when_the_drain_begins(self) -> None:
+        h = self.h
+        waiting = h.node.acquire(h.model("a"))
+        self.assertEqual(h.sup().state, STARTING)
+        drained = h.node.drain(30)
+        failure = self.failureResultOf(waiting, errors.ApiError)
+        self.assertEqual((failure.value.status, failure.value.code), (503, "shutting_down"))
+        self.successResultOf(drained)
+        self.assertEqual(h.node.in_flight(), 0)
+        h.answer("alpha")  # the load finishing later harms nothing
+        self.assertTrue(h.idle())
 
     def test_drain_gives_up_after_the_grace(self) -> None:
         h = self.h
@@ -615,7 +634,9 @@ class ReportingTests(SynchronousTestCase):
                          ("test-node", "fake", False))
         gpu0, gpu1 = inventory["devices"]
         expected_keys = {"ref", "device", "state", "model", "port", "pid", "in_flight", "queued",
-                         "pending_limit", "restarts", "metrics", "last_error"}
+                         "pending_limit", "restarts", "metrics", "last_error", "last_error_code", "warnings",
+                         "slots_total", "slots_busy", "slots_free", "queue_depth", "tokens_per_s", "issues", "load",
+                         "slots", "throughput"}
         self.assertEqual(set(gpu0), expected_keys)
         self.assertEqual(set(gpu1), expected_keys)
         self.assertEqual(gpu0["ref"]["name"], "gpu:0")
@@ -650,6 +671,19 @@ class ReportingTests(SynchronousTestCase):
         device = h.node.inventory()["devices"][0]
         self.assertEqual(device["restarts"], 1)
         self.assertIn("SIGSEGV", device["last_error"])
+        self.assertEqual(device["last_error_code"], "child_crashed")
+
+    def test_inventory_says_a_model_runs_in_safe_mode_after_sigill(self) -> None:
+        h = NodeHarness()
+        d = h.node.acquire(h.model("a"))
+        h.child().exit(signal=signal.SIGILL)
+        h.answer("alpha")
+        self.successResultOf(d).release()
+        inventory = h.node.inventory()
+        device = inventory["devices"][0]
+        self.assertEqual(len(device["warnings"]), 1)
+        self.assertIn("--no-repack", device["warnings"][0])
+        self.assertEqual(inventory["warnings"], device["warnings"])
 
 
 class TwoDeviceTests(SynchronousTestCase):

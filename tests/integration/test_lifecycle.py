@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import signal
+import threading
 import time
 
 from twisted.trial.unittest import SynchronousTestCase
@@ -50,6 +51,25 @@ class DrainTests(SynchronousTestCase):
         self.assertEqual(events[-1], "[DONE]", "the in-flight stream finished")
         self.assertEqual(agent.process.wait(30), 0)
         wait_until(lambda: not pid_alive(child), 5, what="child gone")
+        self.assertIn("draining 1 request(s) in flight, up to 30 s; signal again (Ctrl-C) to stop now",
+                      agent.log_text())
+
+    def test_request_waiting_on_a_load_gets_shutting_down_not_an_empty_reply(self):
+        agent = self.agent("slow_start=20", shutdown_grace_s=30)
+        answers = []
+        thread = threading.Thread(target=lambda: answers.append(
+            agent.request("POST", "/v1/chat/completions", {**CHAT, "max_tokens": 1}, timeout=30)), daemon=True)
+        thread.start()
+        wait_until(lambda: agent.inventory()["devices"][0]["state"] == "starting", 10, interval=0.02,
+                   what="the request waiting on the load")
+        agent.process.send_signal(signal.SIGTERM)
+        thread.join(30)
+        self.assertFalse(thread.is_alive())
+        status, _, body = answers[0]
+        self.assertEqual(status, 503, body)
+        self.assertEqual(json.loads(body)["error"]["code"], "shutting_down")
+        self.assertEqual(agent.process.wait(30), 0)
+        self.assertIn("shutting down: no request in flight", agent.log_text())
 
     def test_drain_grace_bounds_the_wait(self):
         agent = self.agent("slow_tokens=0.2", shutdown_grace_s=1)
