@@ -40,6 +40,7 @@ setup(
             "numpy>=1.24",
             "openai>=1.30",
             "jsonschema>=4.17",
+            "kubernetes-validate>=1.30",
         ],
     },
     entry_points={"console_scripts": ["rolemesh-node-agent=rolemesh.cli:main"]},
