@@ -28,7 +28,7 @@ import re
 import signal
 import socket
 import sys
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attr
 from twisted.application.service import Service
@@ -41,6 +41,7 @@ from twisted.python.failure import Failure
 
 from rolemesh import diagnosis, errors
 from rolemesh.config import ModelConfig, NodeConfig
+from rolemesh.backends.groups import group_name, pin_child
 from rolemesh.devices import DeviceRef
 from rolemesh.interfaces import IDeviceBackend
 from rolemesh.llama_args import build_argv
@@ -87,19 +88,21 @@ def restart_delay(failures: int, base: float = 1.0, cap: float = 60.0) -> float:
     return min(cap, base * 2.0 ** (failures - 2))
 
 
-def load_retry_delay(failures: int, base: float = 15.0, factor: float = 5.0, cap: float = 600.0) -> float:
+def load_retry_delay(failures: int, first: float = 15.0, repeat: float = 300.0, cap: float = 600.0) -> float:
     """Seconds to wait before loading a model again after ``failures`` loads
     in a row ended on their own (bad file, crash at load, timeout).
 
     Such a failure repeats until a person acts, so there is no free retry:
-    15 s, 75 s, 375 s, then 10 minutes.  From the second on, the delay is over
-    60 s, past which OpenAI-style clients stop honouring Retry-After and give
-    up after their own short retries, so a client's automatic retries never
-    each start a failing child.
+    15 s after the first, then 5 minutes, then 10.  From the second failure
+    on, the wait is longer than any client honours as Retry-After (OpenAI's
+    SDK waits up to 2 minutes and gives up beyond that), so clients'
+    automatic retries never each start a failing child.
     """
     if failures <= 0:
         return 0.0
-    return min(cap, base * factor ** (failures - 1))
+    if failures == 1:
+        return first
+    return min(cap, repeat * 2.0 ** (failures - 2))
 
 
 def _seconds(delay: float) -> int:
@@ -221,8 +224,13 @@ class DeviceSupervisor(Service, UsesReactor):
         pidfiles: Optional[PidFiles] = None,
         environ: Optional[Mapping[str, str]] = None,
         wrap: Callable[[List[str], int, Tuple[int, ...]], List[str]] = wrap_argv,
+        members: Sequence[DeviceRef] = (),
     ) -> None:
-        self.name = device.name
+        #: The devices the child is pinned to: ``device`` alone, or a device
+        #: group's members (then ``device`` is the first, and the supervisor
+        #: is named after the group: ``cuda:0+cuda:1``).
+        self.members: Tuple[DeviceRef, ...] = tuple(members) or (device,)
+        self.name = group_name([d.name for d in self.members])
         self.device = device
         self._backend = backend
         self._config = config
@@ -442,13 +450,13 @@ class DeviceSupervisor(Service, UsesReactor):
         model = self.model
         assert model is not None
         self.port = self._pick_port()
-        argv = build_argv(self._binary, model, self.port, device_defaults=self._backend.child_arguments(self.device))
+        base = os.environ if self._environ is None else self._environ
+        defaults, env, cpus = pin_child(self._backend, self.members, base)
+        argv = build_argv(self._binary, model, self.port, device_defaults=defaults)
         if model.model_id in self._safe_mode:
             argv.append("--" + diagnosis.SAFE_FLAG)
         self._attempt.clear()
-        base = os.environ if self._environ is None else self._environ
-        env = self._backend.child_environment(self.device, base)
-        wrapped = self._wrap(argv, os.getpid(), self.device.cpus)
+        wrapped = self._wrap(argv, os.getpid(), cpus)
         self.logs.append(f"[rolemesh] starting {model.model_id} on {self.name}: {' '.join(argv)}")
         log.info("starting llama-server for {model} on {device} (port {port})",
                  model=model.model_id, device=self.name, port=self.port)
