@@ -111,7 +111,7 @@ def classify(kind: str, code: int | None) -> str:
     return REJECTED
 
 
-def _default_http(reactor: Any, timeout: float, tls_policy: Any = None) -> Any:
+def _default_http(reactor: Any, timeout: float, tls_policy: Any = None, pool: Any = None) -> Any:
     """A treq ``HTTPClient`` on ``reactor`` with a bounded connect time.
 
     ``tls_policy`` (an ``IPolicyForHTTPS``, see
@@ -131,7 +131,23 @@ def _default_http(reactor: Any, timeout: float, tls_policy: Any = None) -> Any:
     from twisted.web.client import Agent
 
     return HTTPClient(Agent(reactor, contextFactory=tls_policy, connectTimeout=timeout,
-                            pool=quiet_pool(reactor, persistent=False)))
+                            pool=pool or _tls_pool(reactor)))
+
+
+def _tls_pool(reactor: Any) -> Any:
+    """The pool for HTTPS to the dispatcher: connections the client closes itself.
+
+    A TLS connection still exchanging close_notify when the reactor shuts
+    down can make Twisted's TLS layer log an unhandled error, so finished
+    connections are kept (briefly) in this pool and
+    :meth:`DispatcherClient.stopService` aborts them before it returns.  The
+    short cache time means a beat seldom reuses a connection the dispatcher
+    may have dropped meanwhile.
+    """
+    pool = quiet_pool(reactor, persistent=True)
+    pool.maxPersistentPerHost = 1
+    pool.cachedConnectionTimeout = 1
+    return pool
 
 
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
@@ -214,7 +230,9 @@ class DispatcherClient(Service):
         self._heartbeat = heartbeat
         self.interval = float(interval)
         self._reactor = reactor
-        self._http = http if http is not None else _default_http(reactor, request_timeout, tls_policy)
+        #: HTTPS connections to close on stop (see :func:`_tls_pool`).
+        self._pool = _tls_pool(reactor) if http is None and tls_policy is not None else None
+        self._http = http if http is not None else _default_http(reactor, request_timeout, tls_policy, self._pool)
         self.request_timeout = float(request_timeout)
         self.deregister_timeout = float(deregister_timeout)
         cap = float(backoff_cap) if backoff_cap is not None else self.interval
@@ -275,14 +293,23 @@ class DispatcherClient(Service):
         if inflight is not None:
             inflight.cancel()
         if not self._maybe_known:
-            return succeed(None)
+            return self._close_connections(None)
         d = Deferred.fromCoroutine(self._deregister())
 
         def swallow(failure: Failure) -> None:
             self.log.info("dispatcher deregistration skipped: {reason}", reason=self._describe(failure))
 
         d.addErrback(swallow)
+        d.addBoth(self._close_connections)
         return d
+
+    def _close_connections(self, _: object) -> Deferred[None]:
+        """Abort kept HTTPS connections; fires once they are gone."""
+        if self._pool is None:
+            return succeed(None)
+        closed: Deferred[None] = self._pool.closeCachedConnections()
+        closed.addErrback(lambda failure: None)
+        return closed
 
     def reregister(self, token: str | None) -> None:
         """Register afresh now (after a config reload: the payload, the

@@ -587,3 +587,60 @@ class ConfigTLSTests(SynchronousTestCase):
             'dispatcher_ca_file: only used with an https:// dispatcher_base_url, got "http://d:9000"')
         self.assertEqual(self.error({"dispatcher_client_key_file": "/k"}),
                          "dispatcher_client_key_file: set dispatcher_client_cert_file too")
+
+
+class CheckCommandTests(SynchronousTestCase):
+    """``rolemesh-node-agent --check`` validates the TLS files: one line, exit 2."""
+
+    def setUp(self) -> None:
+        from tests.fixtures.llama import write_fake_llama_server_bin
+
+        self.dir = os.path.abspath(self.mktemp())
+        self.pki = Pki(os.path.join(self.dir, "pki"))
+        self.cert, self.key = self.pki.issue("node")
+        self.binary = write_fake_llama_server_bin(self.dir)
+
+    def check(self, **top: Any) -> Tuple[int, str, str]:
+        import io
+        import sys
+
+        import yaml
+
+        from rolemesh import cli
+
+        path = os.path.join(self.dir, "agent.yaml")
+        with open(path, "w", encoding="utf-8") as f:
+            yaml.safe_dump({"backend": "cpu", "llama_server_bin": self.binary,
+                            "state_dir": os.path.join(self.dir, "state"), **top}, f)
+        out, err = io.StringIO(), io.StringIO()
+        self.patch(sys, "stdout", out)
+        self.patch(sys, "stderr", err)
+        code = cli.main(["--config", path, "--check"])
+        return code, out.getvalue(), err.getvalue()
+
+    def test_good_files_are_reported(self) -> None:
+        code, out, err = self.check(tls_cert_file=self.cert, tls_key_file=self.key,
+                                    tls_client_ca_file=self.pki.ca_file)
+        self.assertEqual((code, err), (0, ""))
+        self.assertIn("# tls: listener certificate: CN=node [localhost, 127.0.0.1]", out)
+        self.assertIn("# tls: client certificates required", out)
+        self.assertNotIn("PRIVATE KEY", out)
+
+    def test_bad_files_are_one_line_and_exit_2(self) -> None:
+        _, other_key = self.pki.issue("other")
+        expired = self.pki.issue("old", not_before=self.pki.now - 30 * DAY, not_after=self.pki.now - DAY)
+        cases = [
+            ({"tls_cert_file": self.cert + ".missing", "tls_key_file": self.key}, "tls_cert_file: file not found"),
+            ({"tls_cert_file": self.cert, "tls_key_file": other_key}, "tls_key_file: the key in"),
+            ({"tls_cert_file": expired[0], "tls_key_file": expired[1]}, "tls_cert_file: the certificate in"),
+            ({"listen": f"ssl:0:privateKey={escape_endpoint_value(self.cert)}"}, "tls_key_file: no PEM private key"),
+            ({"dispatcher_base_url": "https://d.example", "dispatcher_ca_file": self.key},
+             "dispatcher_ca_file: no PEM certificate"),
+        ]
+        for top, expected in cases:
+            code, out, err = self.check(**top)
+            self.assertEqual(code, 2, (top, out, err))
+            self.assertEqual(out, "", top)  # nothing half-printed before the error
+            self.assertTrue(err.startswith(f"rolemesh-node-agent: {expected}"), (top, err))
+            self.assertEqual(err.count("\n"), 1, err)
+            self.assertNotIn("PRIVATE KEY", err)

@@ -4,9 +4,10 @@ Integration tests need a dispatcher that can really go away (connection
 refused) and come back as a fresh process that forgot every node, so this
 runs :class:`tests.fake_dispatcher.FakeDispatcher` in a process of its own::
 
-    python -m tests.integration.fake_dispatcher_server PORT [--token TOKEN]
+    python -m tests.integration.fake_dispatcher_server PORT [--token TOKEN] [--tls-cert CERT --tls-key KEY]
 
-It listens on ``127.0.0.1:PORT`` (0 picks a free port) and prints
+It listens on ``127.0.0.1:PORT`` (0 picks a free port; HTTPS with the
+given PEM certificate and key, TLS 1.2 or newer) and prints
 ``listening <port>`` on stdout once it accepts connections.  Besides the
 dispatcher's routes it answers control routes under ``/_fake/``:
 
@@ -35,7 +36,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, BinaryIO, Dict, List, Optional
+from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
 from klein import Klein
 
@@ -121,10 +122,22 @@ def main(argv: List[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("port", type=int)
     parser.add_argument("--token", default=None)
+    parser.add_argument("--tls-cert", default=None)
+    parser.add_argument("--tls-key", default=None)
     args = parser.parse_args(argv)
 
     fake = ServedFakeDispatcher(token=args.token, clock=reactor)
-    port = fake.listen(reactor, args.port)
+    if args.tls_cert:
+        from twisted.internet import ssl
+        from twisted.web.server import Site
+
+        with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
+            options = ssl.PrivateCertificate.loadPEM(c.read() + k.read()).options()
+        site = Site(fake.resource())
+        site.noisy = False
+        port = reactor.listenSSL(args.port, site, options, interface="127.0.0.1")
+    else:
+        port = fake.listen(reactor, args.port)
     fake.port = port.getHost().port
     fake.started_at = time.time()  # when it began accepting connections
 
@@ -142,10 +155,14 @@ class FakeDispatcherProcess:
     """Runs the server above as a subprocess; blocking helpers for tests."""
 
     def __init__(self, port: int = 0, token: Optional[str] = None, log_path: Optional[str] = None,
-                 timeout: float = 20.0) -> None:
+                 timeout: float = 20.0, tls: Optional[Tuple[str, str, str]] = None) -> None:
+        """``tls``: (certificate file, key file, CA file the control calls trust) for HTTPS."""
         cmd = [sys.executable, "-m", "tests.integration.fake_dispatcher_server", str(port)]
         if token is not None:
             cmd += ["--token", token]
+        self._tls = tls
+        if tls is not None:
+            cmd += ["--tls-cert", tls[0], "--tls-key", tls[1]]
         self._log: Optional[BinaryIO] = open(log_path, "ab") if log_path else None
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))}
         self.process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE,
@@ -156,7 +173,7 @@ class FakeDispatcherProcess:
         except BaseException:
             self.stop()
             raise
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
 
     def _wait_listening(self, timeout: float) -> int:
         assert self.process.stdout is not None
@@ -177,6 +194,20 @@ class FakeDispatcherProcess:
         return int(port)
 
     def _call(self, method: str, path: str, body: Any = None) -> Any:
+        if self._tls is not None:
+            import http.client
+            import ssl
+
+            context = ssl.create_default_context(cafile=self._tls[2])
+            conn = http.client.HTTPSConnection("localhost", self.port, timeout=10, context=context)
+            try:
+                conn.request(method, path, body=None if body is None else json.dumps(body))
+                response = conn.getresponse()
+                status, raw = response.status, response.read()
+            finally:
+                conn.close()
+            assert status == 200, (status, raw)
+            return json.loads(raw)
         from tests.fixtures.llama import http_request
 
         status, _, raw = http_request(method, self.url + path, body, timeout=10)
