@@ -230,6 +230,9 @@ class DispatcherClient(Service):
         self._heartbeat = heartbeat
         self.interval = float(interval)
         self._reactor = reactor
+        #: The :class:`rolemesh.tls.DispatcherTLSPolicy` (None: treq's default
+        #: for https://); its ``reload_for`` is the config-reload hook.
+        self.tls_policy = tls_policy
         #: HTTPS connections to close on stop (see :func:`_tls_pool`).
         self._pool = _tls_pool(reactor) if http is None and tls_policy is not None else None
         self._http = http if http is not None else _default_http(reactor, request_timeout, tls_policy, self._pool)

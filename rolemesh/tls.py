@@ -345,6 +345,22 @@ class ServerTLS:
         log.info("TLS certificate reloaded: {certificate}", certificate=self.describe())
         return loaded.summary
 
+    def reload_for(self, config: Any) -> Optional[str]:
+        """The config-reload hook (:meth:`rolemesh.reload.Reloader.add_self_reloading`).
+
+        Re-reads the files ``config.tls`` names (the running paths: a change
+        of path needs a restart, the reload reports it); never raises for bad
+        files: the previous certificate stays and the one-line reason is
+        logged and returned.
+        """
+        files = getattr(config, "tls", None) or self.files
+        try:
+            self.reload(files)
+        except ConfigError as e:
+            log.error("TLS certificate not reloaded, still serving the previous one: {error}", error=str(e))
+            return f"kept the previous certificate: {e}"
+        return f"certificate reloaded: {self.describe()}"
+
     def serverConnectionForTLS(self, tlsProtocol: Any) -> SSL.Connection:  # noqa: N802 - Twisted's name
         return SSL.Connection(self._loaded.options.getContext(), None)
 
@@ -372,9 +388,31 @@ class DispatcherTLSPolicy:
     optional client certificate and TLS 1.2 at least.
     """
 
-    def __init__(self, trust_root: Any = None, client_certificate: Optional[ssl.PrivateCertificate] = None) -> None:
+    def __init__(self, trust_root: Any = None, client_certificate: Optional[ssl.PrivateCertificate] = None,
+                 files: Optional[ClientTLSFiles] = None,
+                 now: Callable[[], datetime.datetime] = _now) -> None:
         self._trust_root = trust_root
         self._client_certificate = client_certificate
+        #: Where the CA file and client certificate came from (for :meth:`reload`).
+        self.files = files
+        self._now = now
+
+    def reload(self, files: Optional[ClientTLSFiles] = None) -> None:
+        """Re-read the CA file and client certificate; later connections use
+        them.  ConfigError (one line) leaves the previous ones in place."""
+        files = files or self.files or ClientTLSFiles()
+        fresh = dispatcher_tls_policy(files, self._now())
+        self.files, self._trust_root, self._client_certificate = files, fresh._trust_root, fresh._client_certificate
+        log.info("dispatcher TLS files reloaded")
+
+    def reload_for(self, config: Any) -> Optional[str]:
+        """The config-reload hook, like :meth:`ServerTLS.reload_for`."""
+        try:
+            self.reload(getattr(config, "dispatcher_tls", None) or self.files)
+        except ConfigError as e:
+            log.error("dispatcher TLS files not reloaded, still using the previous ones: {error}", error=str(e))
+            return f"kept the previous dispatcher TLS files: {e}"
+        return "dispatcher CA and client certificate reloaded"
 
     def creatorForNetloc(self, hostname: bytes, port: int) -> Any:  # noqa: N802 - Twisted's name
         return ssl.optionsForClientTLS(
@@ -404,7 +442,7 @@ def dispatcher_tls_policy(files: ClientTLSFiles, now: Optional[datetime.datetime
         chain, private_key = pair
         client = ssl.PrivateCertificate.fromCertificateAndKeyPair(
             ssl.Certificate(_openssl_x509(chain[0])), ssl.KeyPair(_openssl_key(private_key)))
-    return DispatcherTLSPolicy(trust, client)
+    return DispatcherTLSPolicy(trust, client, files)
 
 
 def check_client_files(files: ClientTLSFiles, now: Optional[datetime.datetime] = None) -> List[str]:

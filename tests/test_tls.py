@@ -644,3 +644,59 @@ class CheckCommandTests(SynchronousTestCase):
             self.assertTrue(err.startswith(f"rolemesh-node-agent: {expected}"), (top, err))
             self.assertEqual(err.count("\n"), 1, err)
             self.assertNotIn("PRIVATE KEY", err)
+
+
+class ReloadHookTests(SynchronousTestCase):
+    """``reload_for(config)``: what the config-reload path calls; never raises."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.pki = Pki(self.mktemp())
+        self.cert, self.key = self.pki.issue("node")
+
+    def config(self, **keys: Any) -> Any:
+        return validate({"tls_cert_file": self.cert, "tls_key_file": self.key, **keys}, check_files=False)
+
+    def test_listener_hook_rotates_and_reports(self) -> None:
+        tls = ServerTLS(self.config().tls)
+        self.pki.issue("node")  # rotated in place
+        with capturedLogs() as events:
+            note = tls.reload_for(self.config())
+        self.assertTrue((note or "").startswith("certificate reloaded: CN=node"), note)
+        self.assertEqual(len([e for e in events if "TLS certificate reloaded" in formatEvent(e)]), 1)
+        creator = dispatcher_tls_policy(ClientTLSFiles(self.pki.ca_file)).creatorForNetloc(b"localhost", 1)
+        _, client, _, _ = handshake(tls, creator, self.clock)
+        self.assertEqual(peer_serial(client), certificate_of(self.cert).serial_number)
+
+    def test_listener_hook_keeps_the_old_certificate_on_bad_files(self) -> None:
+        tls = ServerTLS(self.config().tls)
+        serial = certificate_of(self.cert).serial_number
+        os.remove(self.key)
+        with capturedLogs() as events:
+            note = tls.reload_for(self.config())
+        self.assertEqual(note, f'kept the previous certificate: tls_key_file: file not found: "{self.key}"')
+        lines = [formatEvent(e) for e in events]
+        self.assertEqual(len(lines), 1, lines)
+        self.assertIn("still serving the previous one", lines[0])
+        creator = dispatcher_tls_policy(ClientTLSFiles(self.pki.ca_file)).creatorForNetloc(b"localhost", 1)
+        _, client, server_app, _ = handshake(tls, creator, self.clock)
+        self.assertEqual((server_app.received, peer_serial(client)), (b"ping", serial))
+
+    def test_dispatcher_hook_switches_the_trusted_ca(self) -> None:
+        server = ServerTLS(ServerTLSFiles(self.cert, self.key))
+        other = Pki(self.mktemp(), name="Other CA")
+        config = validate({"dispatcher_base_url": "https://localhost:9", "dispatcher_ca_file": other.ca_file},
+                          check_files=False)
+        policy = dispatcher_tls_policy(config.dispatcher_tls)
+        _, _, server_app, _ = handshake(server, policy.creatorForNetloc(b"localhost", 9), self.clock)
+        self.assertEqual(server_app.received, b"")  # the other CA did not sign the node's certificate
+        with open(other.ca_file, "wb") as f:
+            f.write(read(self.pki.ca_file))  # the CA file now holds the right CA
+        self.assertEqual(policy.reload_for(config), "dispatcher CA and client certificate reloaded")
+        _, _, server_app, _ = handshake(server, policy.creatorForNetloc(b"localhost", 9), self.clock)
+        self.assertEqual(server_app.received, b"ping")
+        os.remove(other.ca_file)
+        self.assertIn("kept the previous dispatcher TLS files: dispatcher_ca_file: file not found",
+                      policy.reload_for(config) or "")
+        _, _, server_app, _ = handshake(server, policy.creatorForNetloc(b"localhost", 9), self.clock)
+        self.assertEqual(server_app.received, b"ping")
