@@ -4,6 +4,8 @@ fake children, a Clock)."""
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 from typing import Any, Dict, List
 
@@ -13,10 +15,10 @@ from hypothesis import strategies as st
 from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.config import NodeConfig
+from rolemesh.config import TOP_LEVEL_KEYS, NodeConfig
 from rolemesh.node import Lease
 from rolemesh.readiness import decide
-from rolemesh.reload import RESTART_KEYS, ReloadResult, effective, needs_new_child, plan
+from rolemesh.reload import LIVE_KEYS, RESTART_KEYS, ReloadResult, effective, needs_new_child, plan
 from rolemesh.supervisor import READY, STOPPED, STOPPING
 from tests.fakes import make_config
 from tests.service_harness import ServiceHarness
@@ -98,6 +100,22 @@ class PlanTests(SynchronousTestCase):
         running = effective(old, new)
         for key in RESTART_KEYS:
             self.assertEqual(getattr(running, key), getattr(old, key))
+
+
+class DocumentedKeysTests(SynchronousTestCase):
+    """docs/operations.md lists exactly the keys a reload applies live."""
+
+    def test_live_keys_match_the_docs(self) -> None:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "operations.md")
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        match = re.search(r"\*\*Keys applied live:\*\*(.*?)\n- ", text, re.DOTALL)
+        assert match is not None, "no 'Keys applied live' bullet in docs/operations.md"
+        documented = set(re.findall(r"`([a-z_]+)`", match.group(1)))
+        # Four config keys feed the one api_keys field.
+        fields = {"api_keys" if name.startswith("api_key") else name for name in documented}
+        self.assertEqual(fields, set(LIVE_KEYS))
+        self.assertTrue(documented <= {k.name for k in TOP_LEVEL_KEYS}, documented)
 
 
 class ReadinessDecisionTests(SynchronousTestCase):
