@@ -253,6 +253,9 @@ class NodeAPI:
                 "loaded_on": [n for n in where if self.node.supervisors[n].state == READY],
                 "loading_on": [n for n in where if self.node.supervisors[n].state != READY],
             }
+            progress = {n: self.node.load_progress(n) for n in where if self.node.supervisors[n].state != READY}
+            entry["load_progress"] = {n: p for n, p in progress.items() if p is not None}
+            entry.update({k: v for k, v in self.node.model_memory(model).items() if k != "model_id"})
             if model.alias:
                 entry["aliases"] = [model.alias]
             data.append(entry)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional, TextIO, Tuple
+from typing import List, Optional, Sequence, TextIO, Tuple
 
 import yaml
 
 from rolemesh import __version__
+from rolemesh.backends.groups import group_name, pin_child
 from rolemesh.config import NodeConfig, as_dict, load_config
+from rolemesh.devices import DeviceRef
 from rolemesh.errors import ConfigError
 from rolemesh.llama_args import build_argv
 from rolemesh.llama_build import describe as describe_build
@@ -52,11 +54,54 @@ def check_report(config: NodeConfig, out: TextIO) -> None:
     for line in tls:
         out.write(f"# tls: {line}\n")
     out.write("\n# llama-server command per model and device (<port> is picked at start)\n")
+    by_name = {d.name: d for d in choice.devices}
     for model in config.models:
-        for device in choice.devices:
-            argv = build_argv(binary, model, 0, device_defaults=choice.backend.child_arguments(device))
+        lanes = [[by_name[n] for n in model.devices if n in by_name]] if model.devices else [
+            [d] for d in choice.devices]
+        for members in lanes:
+            if not members:
+                continue
+            defaults, env, _ = pin_child(choice.backend, members, {})
+            argv = build_argv(binary, model, 0, device_defaults=defaults)
             argv[argv.index("--port") + 1] = "<port>"
-            out.write(f"{model.model_id} @ {device.name}: " + " ".join(argv) + "\n")
+            pins = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
+            name = group_name([d.name for d in members])
+            out.write(f"{model.model_id} @ {name}: " + (pins + " " if pins else "") + " ".join(argv) + "\n")
+    memory_report(config, choice.backend.name, choice.devices, out)
+
+
+def memory_report(config: NodeConfig, backend: str, devices: Sequence[DeviceRef], out: TextIO) -> None:
+    """Each model's memory estimate and the devices/groups that can hold it;
+    a model that none can ever hold is a warning naming it."""
+    from rolemesh.estimate import EstimateError, capacity_of, estimate_on, gib, read_facts
+
+    by_name = {d.name: d for d in devices}
+    reserve = config.device_memory_reserve_bytes
+    out.write(f"\n# memory estimate per model (device_memory_reserve_bytes: {reserve})\n")
+    for model in config.models:
+        try:
+            facts = read_facts(model.path)
+        except EstimateError as e:
+            out.write(f"{model.model_id}: no estimate ({e})\n")
+            continue
+        lanes = [list(model.devices)] if model.devices else [[d.name] for d in devices]
+        fits, largest = [], None
+        for names in lanes:
+            members = [by_name[n] for n in names if n in by_name]
+            capacity = capacity_of([d.memory_total_bytes for d in members], backend)
+            need = estimate_on(facts, model, backend, len(members), reserve)
+            if capacity is None or need.total_bytes <= capacity:
+                fits.append(group_name(names))
+            if largest is None or (capacity or 0) > (largest[1] or 0):
+                largest = (group_name(names), capacity, need)
+        assert largest is not None
+        need = largest[2]
+        if fits:
+            out.write(f"{model.model_id}: {need.describe()}; fits on {', '.join(fits)}\n")
+        else:
+            out.write(f"# WARNING: {model.model_id}: needs an estimated {need.describe()}, but the largest "
+                      f"device or group it may use, {largest[0]}, has {gib(largest[1])} in total: "
+                      "requests for it get model_too_large\n")
 
 
 def tls_report(config: NodeConfig) -> List[str]:

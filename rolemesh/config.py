@@ -74,6 +74,9 @@ TOP_LEVEL_KEYS: Tuple[KeyDoc, ...] = (
            "Grace between SIGTERM and SIGKILL when a child is stopped."),
     KeyDoc("max_pending_requests_per_device", "positive integer", "`2`",
            "In-flight plus queued requests a device admits before answering 429."),
+    KeyDoc("device_memory_reserve_bytes", "non-negative integer", "`0`",
+           "Headroom kept free on each device: added to every model's memory estimate "
+           "(once per device a model spans)."),
     KeyDoc("dispatcher_base_url", "URL", "unset (standalone)",
            "RoleMesh dispatcher to register and heartbeat with."),
     KeyDoc("heartbeat_interval_s", "positive number", "`5.0`", "Seconds between heartbeats."),
@@ -124,7 +127,11 @@ MODEL_KEYS: Tuple[KeyDoc, ...] = (
     KeyDoc("threads_batch", "positive integer", "llama-server's", "`--threads-batch`"),
     KeyDoc("gpu_layers", "non-negative integer, `auto` or `all`", "llama-server's", "`--n-gpu-layers`"),
     KeyDoc("main_gpu", "non-negative integer", "llama-server's", "`--main-gpu`"),
-    KeyDoc("tensor_split", "list of non-negative numbers", "llama-server's", "`--tensor-split a,b,...`"),
+    KeyDoc("tensor_split", "list of non-negative numbers",
+           "the devices' memory ratio on a device group, else llama-server's", "`--tensor-split a,b,...`"),
+    KeyDoc("devices", "list of device names", "any one device",
+           "The devices this model runs on. One name pins it there; several make a device group: one child "
+           "spans them all (pinned to all of them) and holds every member while it runs."),
     KeyDoc("flash_attn", "boolean or `on`/`off`/`auto`", "llama-server's",
            "`--flash-attn on|off|auto`; `true` means `on`, `false` means `off`."),
     KeyDoc("server_args", "mapping", "`{}`",
@@ -158,6 +165,9 @@ class ModelConfig:
     preload: bool = False
     #: ``None`` = inherit the node default; ``0`` is never stored.
     idle_unload_s: Optional[float] = None
+    #: The devices the model runs on (one: pinned; several: a device group);
+    #: empty = any single device.
+    devices: Tuple[str, ...] = ()
     #: True when the entry says ``idle_unload_s: null`` (keep forever).
     keep_loaded: bool = False
 
@@ -201,6 +211,7 @@ class NodeConfig:
     llama_server_probe_interval_s: float = 0.5
     llama_server_stop_timeout_s: float = 5.0
     max_pending_requests_per_device: int = 2
+    device_memory_reserve_bytes: int = 0
     dispatcher_base_url: Optional[str] = None
     heartbeat_interval_s: float = 5.0
     api_keys: Tuple[str, ...] = attr.ib(default=(), repr=False)
@@ -558,6 +569,11 @@ def _validate_model(i: int, data: Any, check_files: bool) -> ModelConfig:
 
     preload = _boolean(prefix + "preload", data.get("preload", False))
 
+    devices = _string_list(prefix + "devices", data.get("devices") or [])
+    for j, name in enumerate(devices):
+        if name in devices[:j]:
+            raise ConfigError(f"{prefix}devices[{j}]: {_show(name)} is listed twice")
+
     keep_loaded = "idle_unload_s" in data and data["idle_unload_s"] is None
 
     return ModelConfig(
@@ -578,6 +594,7 @@ def _validate_model(i: int, data: Any, check_files: bool) -> ModelConfig:
         preload=preload,
         idle_unload_s=_optional(data, "idle_unload_s", prefix, _positive_number),
         keep_loaded=keep_loaded,
+        devices=tuple(devices),
     )
 
 
@@ -812,6 +829,9 @@ def validate(
         ),
         max_pending_requests_per_device=_positive_int(
             "max_pending_requests_per_device", data.get("max_pending_requests_per_device", 2)
+        ),
+        device_memory_reserve_bytes=_non_negative_int(
+            "device_memory_reserve_bytes", data.get("device_memory_reserve_bytes", 0)
         ),
         dispatcher_base_url=_optional(data, "dispatcher_base_url", "", _url),
         **_dispatcher_tls(data, _optional(data, "dispatcher_base_url", "", _url)),

@@ -67,3 +67,15 @@ def queue_full(where: str, limit: int) -> ApiError:
 
 def upstream_error(message: str) -> ApiError:
     return ApiError(502, message, "server_error", "upstream_error")
+
+
+def model_too_large(model_id: str, needed: str, available: str) -> ApiError:
+    """The model's memory estimate exceeds what any eligible device (or
+    device group) can ever hold: 400, nothing is spawned."""
+    return ApiError(
+        400,
+        f"model {model_id!r} needs an estimated {needed}, but {available}; "
+        "lower ctx_size or gpu_layers, use a quantized cache (cache-type-k/v), or span a device group",
+        "invalid_request_error",
+        "model_too_large",
+    )

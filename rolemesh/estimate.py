@@ -417,21 +417,30 @@ def kv_cache_bytes(facts: GGUFFacts, model: ModelConfig, layers: Iterable[int]) 
 
 
 def compute_bytes(facts: GGUFFacts, model: ModelConfig, flash_attn: bool) -> int:
-    """The scratch buffer of the largest graph llama.cpp reserves (one
-    ubatch): the bigger of the output logits and the attention block (the
-    ``n_kv x ubatch x heads`` scores unless flash attention is on), plus
-    the activations of one layer."""
+    """The compute buffer llama.cpp reserves for its largest graph (one
+    ubatch of ``min(ubatch, ctx)`` tokens) plus the output buffer (one row
+    of logits per slot).
+
+    Fitted to what llama-server logs (see the module docstring): the
+    attention masks (f16 with flash attention, f32 without, one per cache:
+    full and sliding window), the ``n_kv x tokens x heads`` scores when
+    flash attention is off, and a layer's activations, about
+    ``4 x n_ff + n_q`` floats per token.
+    """
     full, swa = kv_cells(facts, model)
-    ubatch = min(model.ubatch_size or DEFAULT_UBATCH, model.batch_size or DEFAULT_BATCH)
-    heads = max(facts.n_head) if facts.n_head else 1
+    slots, shared = _slots(model)
+    streams = 1 if shared else slots
+    n_kv, n_kv_swa = full // streams, swa // streams
+    tokens = min(model.ubatch_size or DEFAULT_UBATCH, model.batch_size or DEFAULT_BATCH, full)
+    heads = max(facts.n_head, default=1)
     n_q = heads * facts.key_length
-    logits = 4 * ubatch * (facts.n_vocab + facts.n_embd)
     if flash_attn:
-        attention = 4 * ubatch * (4 * facts.n_embd + 2 * n_q)
+        attention = 2 * tokens * (n_kv + n_kv_swa)
     else:
-        attention = 4 * ubatch * (4 * facts.n_embd + 2 * n_q + full * heads)
-    ffn = 4 * ubatch * (facts.n_embd + 3 * max(facts.n_ff, facts.n_embd))
-    return max(logits, attention, ffn)
+        attention = 4 * tokens * (n_kv + n_kv_swa) + 4 * tokens * heads * n_kv
+    activations = 4 * tokens * (4 * max(facts.n_ff, facts.n_embd) + n_q)
+    output = 4 * facts.n_vocab * slots
+    return attention + activations + output
 
 
 def _flash_attn(model: ModelConfig, device_kind: str) -> bool:
@@ -470,3 +479,28 @@ def estimate(
         reserve_bytes=max(0, reserve_bytes),
         ctx_cells=full,
     )
+
+
+# --------------------------------------------------------------------------
+# Where it fits (pure; the node and ``--check`` share these)
+
+
+def shared_memory(backend: str) -> bool:
+    """cpu devices (and Apple's unified memory) all draw on one memory pool."""
+    return backend in ("cpu", "metal")
+
+
+def capacity_of(totals: Sequence[Optional[int]], backend: str) -> Optional[int]:
+    """Total memory of a device or of a group's members (``totals``): their
+    sum, or once for a shared pool; None when one is unknown."""
+    if not totals or any(t is None for t in totals):
+        return None
+    known = [int(t) for t in totals if t is not None]
+    return max(known) if shared_memory(backend) else sum(known)
+
+
+def estimate_on(facts: GGUFFacts, model: ModelConfig, backend: str, members: int, reserve_bytes: int) -> MemoryEstimate:
+    """The estimate on a device (``members`` 1) or group of ``backend``: the
+    reserve counts once per device, once in all for a shared pool."""
+    reserve = reserve_bytes * (1 if shared_memory(backend) else max(1, members))
+    return estimate(facts, model, "cpu" if backend == "cpu" else "gpu", reserve)

@@ -10,7 +10,7 @@ leaves the queue at once.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import attr
 from twisted.application.service import MultiService
@@ -21,8 +21,10 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from rolemesh import errors
+from rolemesh.backends.groups import group_name
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
+from rolemesh.estimate import GGUFFacts, MemoryEstimate, capacity_of, estimate_on, gib, shared_memory
 from rolemesh.interfaces import IDeviceBackend
 from rolemesh.reactor import UsesReactor
 from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
@@ -63,6 +65,8 @@ class _Acquisition:
     loading: Optional[Deferred] = None
     #: When it joined the queue (reactor seconds), for the queue-wait histogram.
     queued_at: float = 0.0
+    #: The client went away (while evicted children stopped, say).
+    cancelled: bool = False
 
 
 @attr.s(eq=False, auto_attribs=True)
@@ -82,6 +86,7 @@ class Node(MultiService, UsesReactor):
         reactor: Any = None,
         metrics_interval: float = METRICS_INTERVAL_S,
         telemetry_get: Optional[Callable[..., Deferred]] = None,
+        facts: Optional[Mapping[str, Optional[GGUFFacts]]] = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -93,9 +98,17 @@ class Node(MultiService, UsesReactor):
             self.supervisors[supervisor.name] = supervisor
             supervisor.setServiceParent(self)
             supervisor.subscribe(self._supervisor_changed)
+        #: Device groups (a supervisor whose child spans several devices):
+        #: group name -> member device names.
+        self.groups: Dict[str, List[str]] = {
+            s.name: [d.name for d in s.members] for s in supervisors if len(getattr(s, "members", ())) > 1
+        }
         self.scheduler = Scheduler(
-            [d.name for d in self.devices], config.max_pending_requests_per_device, self._ticket_started
+            [d.name for d in self.devices], config.max_pending_requests_per_device, self._ticket_started,
+            groups=self.groups,
         )
+        #: GGUF header facts per model_id (None: unknown, no memory checks).
+        self.facts: Dict[str, Optional[GGUFFacts]] = dict(facts or {})
         self.metrics: Dict[str, DeviceMetrics] = {}
         self.draining = False
         self._drained: List[Deferred] = []
@@ -233,15 +246,97 @@ class Node(MultiService, UsesReactor):
     def acquire(self, model: ModelConfig, device: Optional[str] = None) -> "Deferred[Lease]":
         if self.draining:
             return defer.fail(errors.shutting_down())
+        try:
+            lanes, need, device = self._placement(model, device)
+        except errors.ApiError as e:
+            return defer.fail(e)
         request = _Acquisition(model, Deferred(lambda d: self._cancel(ticket, request)),
                                queued_at=self.reactor.seconds())
         try:
-            ticket = self.scheduler.submit(model.model_id, model.parallel, device, context=request)
+            ticket = self.scheduler.submit(model.model_id, model.parallel, device, context=request,
+                                           lanes=lanes, need=need)
         except QueueFull:
             self._emit("queue_full", model=model.model_id)
             where = f"device {device}" if device else "every device that can take it"
             return defer.fail(errors.queue_full(where, self.config.max_pending_requests_per_device))
         return request.result
+
+    # -- memory ---------------------------------------------------------------------
+
+    def lanes_for(self, model: ModelConfig) -> List[str]:
+        """Where ``model`` may run: its ``devices`` (one device, or their
+        group), else any single device."""
+        if model.devices:
+            return [group_name(model.devices)]
+        return [d.name for d in self.devices]
+
+    def _members(self, lane: str) -> List[DeviceRef]:
+        names = self.groups.get(lane, [lane])
+        return [d for d in self.devices if d.name in names]
+
+    def _shared_memory(self) -> bool:
+        return shared_memory(self.backend.name)
+
+    def capacity(self, lane: str) -> Optional[int]:
+        """Total memory of a device, or of a group's members (once for a shared pool)."""
+        totals = []
+        for d in self._members(lane):
+            sample = self.metrics.get(d.name)
+            totals.append(d.memory_total_bytes or (sample.memory_total_bytes if sample else None))
+        return capacity_of(totals, self.backend.name)
+
+    def estimate_for(self, model: ModelConfig, lane: Optional[str] = None) -> Optional[MemoryEstimate]:
+        """``model``'s memory estimate on ``lane`` (default: its first lane);
+        None when its GGUF header could not be read."""
+        facts = self.facts.get(model.model_id)
+        if facts is None:
+            return None
+        lane = lane or self.lanes_for(model)[0]
+        members = len(self.groups.get(lane, [lane]))
+        return estimate_on(facts, model, self.backend.name, members, self.config.device_memory_reserve_bytes)
+
+    def fits_on(self, model: ModelConfig) -> List[str]:
+        """The lanes whose total memory can ever hold ``model`` (all of them
+        when the estimate or a total is unknown)."""
+        out = []
+        for lane in self.lanes_for(model):
+            need, cap = self.estimate_for(model, lane), self.capacity(lane)
+            if need is None or cap is None or need.total_bytes <= cap:
+                out.append(lane)
+        return out
+
+    def too_large(self, model: ModelConfig) -> Optional[errors.ApiError]:
+        """``model_too_large`` when no lane can ever hold ``model``, else None."""
+        lanes = self.lanes_for(model)
+        if not lanes or self.fits_on(model):
+            return None
+        largest = max(lanes, key=lambda lane: self.capacity(lane) or 0)
+        need = self.estimate_for(model, largest)
+        assert need is not None
+        what = "device group" if largest in self.groups else "device"
+        return errors.model_too_large(
+            model.model_id, need.describe(),
+            f"the largest {what} it may use, {largest}, has {gib(self.capacity(largest))} in total")
+
+    def _placement(self, model: ModelConfig, device: Optional[str]) -> Any:
+        """(eligible lanes, need per lane, pinned lane) for a request."""
+        lanes = self.lanes_for(model)
+        if device is not None and device not in lanes:
+            holder = [lane for lane in lanes if device in self.groups.get(lane, [lane])]
+            if not holder:
+                raise errors.ApiError(
+                    400, f"model {model.model_id!r} runs on {', '.join(lanes)}, not on {device}",
+                    "invalid_request_error", "device_not_eligible")
+            device = holder[0]
+        problem = self.too_large(model)
+        if problem is not None:
+            raise problem
+        need = {}
+        for lane in lanes:
+            e = self.estimate_for(model, lane)
+            if e is not None:
+                need[lane] = e.total_bytes
+        return self.fits_on(model), need, device
 
     def unload(self, device: str) -> "Deferred[None]":
         """Stop ``device``'s child once the requests ahead of this one are
@@ -250,12 +345,12 @@ class Node(MultiService, UsesReactor):
             return defer.fail(errors.shutting_down())
         request = _Unload(Deferred(lambda d: self.scheduler.cancel(ticket) if ticket.state == QUEUED else None))
         try:
-            ticket = self.scheduler.submit(UNLOAD, 1, device, context=request)
+            ticket = self.scheduler.submit(UNLOAD, 1, device, context=request, lanes=[device])
         except QueueFull:
             return defer.fail(errors.queue_full(f"device {device}", self.config.max_pending_requests_per_device))
         return request.result
 
-    def _unload_started(self, ticket: Ticket, request: _Unload) -> None:
+    def _unload_started(self, ticket: Ticket, request: _Unload, evicting: "Deferred[Any]") -> None:
         supervisor = self.supervisors[ticket.device]  # type: ignore[index]
         self._cancel_idle_timer(supervisor.name)
 
@@ -267,17 +362,30 @@ class Node(MultiService, UsesReactor):
                 request.result.callback(None)
             return None
 
-        supervisor.stop().addBoth(stopped)
+        defer.gatherResults([evicting, supervisor.stop()], consumeErrors=True).addBoth(stopped)
+
+    def _evict(self, ticket: Ticket) -> "Deferred[Any]":
+        """Stop the children of the lanes this ticket's start evicted (a
+        device group taking its members, or a member taking its device back
+        from the group); fires once they are all reaped."""
+        stops = []
+        for name in ticket.evict:
+            self._cancel_idle_timer(name)
+            log.info("stopping the child on {lane}: {device} needs its devices", lane=name, device=ticket.device)
+            stops.append(self.supervisors[name].stop())
+        return defer.gatherResults(stops, consumeErrors=True)
 
     def _cancel(self, ticket: Ticket, request: _Acquisition) -> None:
+        request.cancelled = True
         if ticket.state == QUEUED:
             self.scheduler.cancel(ticket)
         elif ticket.state == RUNNING and request.loading is not None and not request.loading.called:
             request.loading.cancel()
 
     def _ticket_started(self, ticket: Ticket) -> None:
+        evicting = self._evict(ticket)
         if isinstance(ticket.context, _Unload):
-            self._unload_started(ticket, ticket.context)
+            self._unload_started(ticket, ticket.context, evicting)
             return
         request: _Acquisition = ticket.context  # type: ignore[assignment]
         if self.draining:  # started by a drain freeing its device: not begun, so refused
@@ -288,7 +396,12 @@ class Node(MultiService, UsesReactor):
         self._cancel_idle_timer(supervisor.name)
         self._emit("queue_wait", device=supervisor.name, model=request.model.model_id,
                    seconds=self.reactor.seconds() - request.queued_at)
-        request.loading = supervisor.ensure(request.model)
+        def load(result: Any) -> Any:
+            if request.cancelled or request.result.called:  # gone while the evicted children stopped
+                return Failure(defer.CancelledError())
+            return supervisor.ensure(request.model)
+
+        request.loading = evicting.addBoth(load) if ticket.evict else supervisor.ensure(request.model)
 
         def ready(endpoint: ChildEndpoint) -> None:
             lease = Lease(ticket, endpoint, supervisor, self._release)
@@ -461,6 +574,11 @@ class Node(MultiService, UsesReactor):
                 self.metrics[sample.device] = sample
                 if sample.device in self.scheduler.devices:
                     self.scheduler.set_free_memory(sample.device, sample.memory_free_bytes)
+            for group, members in self.groups.items():
+                free = [self.metrics[m].memory_free_bytes if m in self.metrics else None for m in members]
+                known = [f for f in free if f is not None]
+                value = None if len(known) < len(free) else (min(known) if self._shared_memory() else sum(known))
+                self.scheduler.set_free_memory(group, value)
 
         def failed(f: Failure) -> None:
             why = "timed out" if f.check(defer.CancelledError) else f.getErrorMessage()
@@ -503,6 +621,7 @@ class Node(MultiService, UsesReactor):
                     "restarts": snap["restarts"],
                     "metrics": metrics.to_json(now) if metrics else None,
                     **self._telemetry_state(supervisor, len(book.queue), metrics),
+                    "group": self._group_on(device.name),
                 }
             )
         return out
@@ -530,4 +649,38 @@ class Node(MultiService, UsesReactor):
             "draining": self.draining,
             "warnings": warnings,
             "devices": devices,
+            "groups": self.group_states(),
+            "models": [self.model_memory(m) for m in self.config.models],
+        }
+
+    def _group_on(self, device: str) -> Optional[str]:
+        """The device group whose child holds (or is getting) ``device`` now."""
+        for group, members in self.groups.items():
+            if device in members and self.scheduler.devices[group].occupied:
+                return group
+        return None
+
+    def group_states(self) -> List[Dict[str, Any]]:
+        """Each device group: its members and its child, like a device's state."""
+        out = []
+        for group, members in self.groups.items():
+            supervisor, book = self.supervisors[group], self.scheduler.devices[group]
+            snap = supervisor.snapshot()
+            out.append({
+                "group": group, "members": list(members), "state": snap["state"], "model": snap["model"],
+                "port": snap["port"], "pid": snap["pid"], "in_flight": len(book.running),
+                "queued": len(book.queue), "pending_limit": self.scheduler.pending_limit,
+                "restarts": snap["restarts"], "last_error": supervisor.last_error,
+                "memory_total_bytes": self.capacity(group),
+            })
+        return out
+
+    def model_memory(self, model: ModelConfig) -> Dict[str, Any]:
+        """A model's memory estimate and the devices/groups that can hold it."""
+        e = self.estimate_for(model)
+        return {
+            "model_id": model.model_id,
+            "devices": self.lanes_for(model),
+            "memory_estimate": e.to_json() if e is not None else None,
+            "fits_on": self.fits_on(model),
         }

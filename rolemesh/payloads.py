@@ -28,11 +28,15 @@ def registration_payload(
     backend: str,
     devices: Sequence[DeviceRef],
     version: str,
+    memory: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The body of ``POST <dispatcher>/v1/nodes/register``.
 
     ``backend`` is the resolved backend name (never ``auto``); ``devices`` are
     the devices the node actually serves on (after the allow-list).
+    ``memory`` maps a model_id to its placement (``Node.model_memory``): the
+    estimate's total bytes, the devices or group it may use and those that can
+    hold it, so a dispatcher can place models across nodes.
     """
     return {
         "node_id": config.node_id,
@@ -45,11 +49,23 @@ def registration_payload(
                 "model_id": m.model_id,
                 "alias": m.alias,
                 "roles": list(dict.fromkeys(m.roles)),
+                **_placement(memory.get(m.model_id) if memory else None),
             }
             for m in config.models
         ],
         "capabilities": list(CAPABILITIES),
         "max_pending_requests_per_device": config.max_pending_requests_per_device,
+    }
+
+
+def _placement(memory: Mapping[str, Any] | None) -> dict[str, Any]:
+    if memory is None:
+        return {}
+    estimate = memory.get("memory_estimate")
+    return {
+        "memory_estimate_bytes": estimate["total_bytes"] if estimate else None,
+        "devices": list(memory.get("devices", ())),
+        "fits_on": list(memory.get("fits_on", ())),
     }
 
 

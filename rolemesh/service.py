@@ -23,7 +23,7 @@ import os
 import shutil
 import signal
 import threading
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attr
 from twisted.application.service import MultiService
@@ -33,10 +33,12 @@ from twisted.logger import Logger
 from rolemesh import __version__, llama_build
 from rolemesh.api import NodeAPI
 from rolemesh.backends import BackendUnavailable
+from rolemesh.backends.groups import groups_of
 from rolemesh.config import NodeConfig
 from rolemesh.devices import DeviceRef
 from rolemesh.dispatcher import DispatcherClient
 from rolemesh.errors import ConfigError
+from rolemesh.estimate import EstimateError, GGUFFacts, read_facts
 from rolemesh.interfaces import IDeviceBackend
 from rolemesh.listener import GuardedSite, listening_service
 from rolemesh.metrics import NodeMetrics
@@ -280,12 +282,21 @@ def make_service(
 
     factory = supervisor_factory or DeviceSupervisor
     supervisors = [factory(d, backend, config, binary, reactor=reactor, pidfiles=pidfiles) for d in devices]
-    node = Node(config, backend, devices, supervisors, reactor=reactor)
+    by_name = {d.name: d for d in devices}
+    for group in groups_of(config.models):  # one supervisor per device group the models name
+        members = [by_name[n] for n in group]
+        supervisors.append(factory(members[0], backend, config, binary, reactor=reactor, pidfiles=pidfiles,
+                                   members=members))
+    node = Node(config, backend, devices, supervisors, reactor=reactor, facts=read_model_facts(config))
+    for model in config.models:
+        problem = node.too_large(model)
+        if problem is not None:
+            log.warn("{message}", message=problem.message)
     max_parallel = max([m.parallel for m in config.models] or [1])
     proxy = Proxy(reactor=reactor, max_per_host=max(2, max_parallel))
 
     root = NodeAgentService(config, node, proxy, reactor=reactor)
-    registration = _registration_builder(lambda: root.config, backend, devices)
+    registration = _registration_builder(lambda: root.config, backend, devices, node)
     metrics = NodeMetrics(node, root)
     api = NodeAPI(config, node, proxy, registration=registration, render_metrics=metrics.render,
                   observers=[metrics.observe], readiness=root.readiness, reload=root.reload)
@@ -315,10 +326,29 @@ def make_service(
 
 
 def _registration_builder(
-    current: Callable[[], NodeConfig], backend: Any, devices: Sequence[DeviceRef]
+    current: Callable[[], NodeConfig], backend: Any, devices: Sequence[DeviceRef], node: Optional[Node] = None
 ) -> Callable[[], dict]:
     """The registration payload of the running config (a reload changes it)."""
-    return lambda: registration_payload(current(), backend.name, devices, __version__)
+
+    def build() -> dict:
+        config = current()
+        memory = {m.model_id: node.model_memory(m) for m in config.models} if node is not None else None
+        return registration_payload(config, backend.name, devices, __version__, memory=memory)
+
+    return build
+
+
+def read_model_facts(config: NodeConfig) -> Dict[str, Optional[GGUFFacts]]:
+    """Each model's GGUF header facts (memory-mapped, header only); None
+    with a warning where the header cannot be read (the load will say why)."""
+    out: Dict[str, Optional[GGUFFacts]] = {}
+    for model in config.models:
+        try:
+            out[model.model_id] = read_facts(model.path)
+        except EstimateError as e:
+            log.warn("no memory estimate for {model}: {error}", model=model.model_id, error=str(e))
+            out[model.model_id] = None
+    return out
 
 
 def check_service_config(config: NodeConfig, device_names: Optional[Sequence[str]] = None) -> None:
@@ -333,6 +363,12 @@ def check_service_config(config: NodeConfig, device_names: Optional[Sequence[str
         )
     if device_names is None:
         return
+    for i, model in enumerate(config.models):
+        for j, name in enumerate(model.devices):
+            if name not in device_names:
+                raise ConfigError(
+                    f'models[{i}].devices[{j}]: "{name}" is not a device of this node ({", ".join(device_names)})'
+                )
     for i, (_, device) in enumerate(config.preload):
         if device is not None and device not in device_names:
             raise ConfigError(

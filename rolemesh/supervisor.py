@@ -40,8 +40,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from rolemesh import diagnosis, errors
-from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.backends.groups import group_name, pin_child
+from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceRef
 from rolemesh.interfaces import IDeviceBackend
 from rolemesh.llama_args import build_argv

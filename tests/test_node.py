@@ -628,7 +628,7 @@ class ReportingTests(SynchronousTestCase):
         self.successResultOf(d)
         h.node.acquire(h.model("a"))  # queued behind it
         inventory = h.node.inventory()
-        self.assertEqual(set(inventory), {"node_id", "backend", "draining", "warnings", "devices"})
+        self.assertEqual(set(inventory), {"node_id", "backend", "draining", "warnings", "devices", "groups", "models"})
         self.assertEqual(inventory["warnings"], [], "loopback: nothing to warn about")
         self.assertEqual((inventory["node_id"], inventory["backend"], inventory["draining"]),
                          ("test-node", "fake", False))
@@ -636,7 +636,7 @@ class ReportingTests(SynchronousTestCase):
         expected_keys = {"ref", "device", "state", "model", "port", "pid", "in_flight", "queued",
                          "pending_limit", "restarts", "metrics", "last_error", "last_error_code", "warnings",
                          "slots_total", "slots_busy", "slots_free", "queue_depth", "tokens_per_s", "issues", "load",
-                         "slots", "throughput"}
+                         "slots", "throughput", "group"}
         self.assertEqual(set(gpu0), expected_keys)
         self.assertEqual(set(gpu1), expected_keys)
         self.assertEqual(gpu0["ref"]["name"], "gpu:0")

@@ -700,3 +700,19 @@ class ReloadHookTests(SynchronousTestCase):
                       policy.reload_for(config) or "")
         _, _, server_app, _ = handshake(server, policy.creatorForNetloc(b"localhost", 9), self.clock)
         self.assertEqual(server_app.received, b"ping")
+
+
+class DocsTests(SynchronousTestCase):
+    """docs/security.md quotes the messages the code really produces."""
+
+    def test_security_doc(self) -> None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with open(os.path.join(root, "docs", "security.md"), encoding="utf-8") as f:
+            doc = f.read()
+        verify_failed = describe_tls_failure(SSL.Error([("SSL routines", "", "certificate verify failed")]))
+        self.assertIn(f"dispatcher unreachable ({verify_failed}); retrying in the background", doc)
+        self.assertIn("does not name the host in\ndispatcher_base_url", doc)
+        for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "listen", "dispatcher_ca_file",
+                    "dispatcher_client_cert_file", "dispatcher_client_key_file"):
+            self.assertIn(f"`{key}`", doc)
+        self.assertIn("# tls: listener certificate:", doc)

@@ -1,0 +1,367 @@
+"""Memory-aware placement and device groups, through the node: real
+supervisors on a recording reactor, fake children, facts of a GGUF header
+built in the test (the estimate itself is tested in test_estimate)."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from rolemesh import errors
+from rolemesh.backends.cpu import CpuBackend
+from rolemesh.backends.cuda import CudaBackend
+from rolemesh.backends.groups import group_name, groups_of, pin_child
+from rolemesh.backends.rocm import RocmBackend
+from rolemesh.backends.sycl import SyclBackend
+from rolemesh.backends.vulkan import VulkanBackend
+from rolemesh.cli import memory_report
+from rolemesh.devices import DeviceRef
+from rolemesh.errors import ConfigError
+from rolemesh.estimate import GGUFFacts
+from rolemesh.node import Lease, Node
+from rolemesh.service import check_service_config
+from rolemesh.supervisor import READY, STOPPED, STOPPING, DeviceSupervisor
+from tests.fakes import FakeBackend, FakeProbe, GroupSignals, ProcessReactor, make_config
+from tests.fixtures.tiny_gguf import write_tiny_gguf
+
+GIB = 1 << 30
+
+#: A 7B-ish llama: 32 layers of 200 MiB, 8 KV heads of 128 (128 KiB of f16
+#: KV cache per cell).
+FACTS = GGUFFacts("llama", 32, 4096, (32,) * 32, (8,) * 32, 128, 128, 32000, 32768, n_ff=14336,
+                  layer_bytes=(200 << 20,) * 32, output_bytes=250 << 20, other_bytes=250 << 20)
+
+MODELS: List[Dict[str, Any]] = [
+    {"model_id": "a", "ctx_size": 4096},
+    {"model_id": "b", "ctx_size": 4096},
+    {"model_id": "big", "ctx_size": 1 << 20},  # 128 GiB of KV cache
+    {"model_id": "G", "ctx_size": 4096, "devices": ["gpu:0", "gpu:1"]},
+    {"model_id": "wide", "ctx_size": 160000, "devices": ["gpu:0", "gpu:1"]},  # ~20 GiB of KV: only the pair
+    {"model_id": "only1", "devices": ["gpu:1"], "ctx_size": 4096},
+]
+
+
+class Harness:
+    """A node with gpu:0, gpu:1, gpu:2 (16 GiB each) and the group the models name."""
+
+    def __init__(self, models: Sequence[Dict[str, Any]] = MODELS, facts: Optional[Dict[str, Any]] = None,
+                 **top: Any) -> None:
+        top.setdefault("llama_server_probe_interval_s", 0.5)
+        top.setdefault("llama_server_stop_timeout_s", 5.0)
+        self.config = make_config(models, **top)
+        self.reactor = ProcessReactor()
+        self.probe = FakeProbe()
+        self.signals = GroupSignals(self.reactor)
+        self.backend = FakeBackend(count=3)
+        ports = itertools.count(20000)
+        refs = {r.name: r for r in self.backend.refs}
+
+        def supervisor(ref: Any, members: Sequence[Any] = ()) -> DeviceSupervisor:
+            return DeviceSupervisor(ref, self.backend, self.config, "/opt/llama/llama-server", reactor=self.reactor,
+                                    probe=self.probe, pick_port=lambda: next(ports), signal_group=self.signals,
+                                    environ={"PATH": "/usr/bin"}, members=members)
+
+        supervisors = [supervisor(r) for r in self.backend.refs]
+        for group in groups_of(self.config.models):
+            members = [refs[n] for n in group]
+            supervisors.append(supervisor(members[0], members))
+        if facts is None:
+            facts = {m.model_id: FACTS for m in self.config.models}
+        self.node = Node(self.config, self.backend, self.backend.refs, supervisors, reactor=self.reactor,
+                         facts=facts)
+
+    def model(self, model_id: str) -> Any:
+        return self.config.model(model_id)
+
+    def live(self, visible: str) -> List[Any]:
+        return [p for p in self.reactor.processes if not p.ended and p.env.get("FAKE_VISIBLE_DEVICES") == visible]
+
+    def acquire(self, model_id: str, device: Optional[str] = None) -> List[Any]:
+        results: List[Any] = []
+        self.node.acquire(self.model(model_id), device=device).addBoth(results.append)
+        return results
+
+    def answer(self, *names: str) -> None:
+        self.probe.ready |= set(names)
+        self.reactor.advance(self.config.llama_server_probe_interval_s)
+
+    def lease(self, model_id: str, device: Optional[str] = None) -> Lease:
+        results = self.acquire(model_id, device)
+        self.answer(model_id)
+        assert results and isinstance(results[0], Lease), results
+        return results[0]
+
+
+class TooLargeTests(SynchronousTestCase):
+    def test_a_model_no_device_can_ever_hold_is_refused_at_once_and_nothing_spawns(self) -> None:
+        h = Harness()
+        results = h.acquire("big")
+        self.assertEqual(len(results), 1, "answered at once, not queued")
+        error = results[0].value
+        self.assertIsInstance(error, errors.ApiError)
+        self.assertEqual((error.status, error.code), (400, "model_too_large"))
+        self.assertIn("'big' needs an estimated 13", error.message)  # 128 GiB KV + 7 GiB weights
+        self.assertIn("has 16.00 GiB in total", error.message)
+        self.assertIn("gpu:", error.message)
+        self.assertEqual(h.reactor.processes, [], "nothing spawned")
+        self.assertTrue(all(b.pending == 0 for b in h.node.scheduler.devices.values()))
+
+    def test_the_group_is_the_largest_thing_a_group_model_may_use(self) -> None:
+        h = Harness(models=[{"model_id": "G", "ctx_size": 1 << 20, "devices": ["gpu:0", "gpu:1"]}])
+        error = h.acquire("G")[0].value
+        self.assertEqual(error.code, "model_too_large")
+        self.assertIn("device group it may use, gpu:0+gpu:1, has 32.00 GiB in total", error.message)
+
+    def test_the_reserve_counts(self) -> None:
+        fits = Harness(models=[{"model_id": "a", "ctx_size": 4096}])
+        self.assertIsNone(fits.node.too_large(fits.model("a")))
+        reserved = Harness(models=[{"model_id": "a", "ctx_size": 4096}], device_memory_reserve_bytes=12 * GIB)
+        problem = reserved.node.too_large(reserved.model("a"))
+        self.assertIsNotNone(problem)
+        self.assertIn("reserve 12.00 GiB", problem.message)
+
+    def test_unknown_size_is_never_refused(self) -> None:
+        h = Harness(facts={})
+        self.assertIsNone(h.node.too_large(h.model("big")))
+        h.acquire("big")
+        self.assertEqual(len(h.reactor.processes), 1)
+
+    def test_inventory_shows_estimates_and_where_each_model_fits(self) -> None:
+        h = Harness()
+        models = {m["model_id"]: m for m in h.node.inventory()["models"]}
+        self.assertEqual(models["a"]["fits_on"], ["gpu:0", "gpu:1", "gpu:2"])
+        self.assertEqual(models["big"]["fits_on"], [])
+        self.assertEqual(models["wide"]["fits_on"], ["gpu:0+gpu:1"])
+        self.assertEqual(models["only1"]["devices"], ["gpu:1"])
+        estimate = models["a"]["memory_estimate"]
+        self.assertEqual(estimate["total_bytes"], sum(estimate[k] for k in (
+            "weights_bytes", "kv_cache_bytes", "compute_bytes", "reserve_bytes")))
+        self.assertEqual(estimate["kv_cache_bytes"], 32 * 2 * 8 * 128 * 4096 * 2)
+
+
+class FitTests(SynchronousTestCase):
+    def test_placement_prefers_a_device_whose_free_memory_holds_the_model(self) -> None:
+        h = Harness()
+        h.backend.free = 16 * GIB
+        h.node.sample_metrics()
+        h.node.scheduler.set_free_memory("gpu:0", 2 * GIB)
+        h.node.scheduler.set_free_memory("gpu:1", 3 * GIB)
+        h.node.scheduler.set_free_memory("gpu:2", 9 * GIB)
+        self.assertEqual(h.lease("a").device, "gpu:2")
+        h.node.scheduler.set_free_memory("gpu:0", 8 * GIB)
+        h.node.scheduler.set_free_memory("gpu:1", 14 * GIB)
+        # b fits on gpu:0 and gpu:1; it takes the one with most free memory, not a's.
+        self.assertEqual(h.lease("b").device, "gpu:1")
+
+    def test_a_pinned_model_runs_only_there(self) -> None:
+        h = Harness()
+        self.assertEqual(h.lease("only1").device, "gpu:1")
+        results = h.acquire("only1", device="gpu:2")
+        self.assertEqual(results[0].value.code, "device_not_eligible")
+
+    def test_group_free_memory_is_the_members_sum(self) -> None:
+        h = Harness()
+        h.node.sample_metrics()
+        self.assertEqual(h.node.scheduler.devices["gpu:0+gpu:1"].free_memory, 16 * GIB)
+
+
+class GroupTests(SynchronousTestCase):
+    def test_one_child_spans_the_group_with_a_memory_ratio_split(self) -> None:
+        h = Harness()
+        lease = h.lease("G")
+        self.assertEqual(lease.device, "gpu:0+gpu:1")
+        child = h.live("0,1")
+        self.assertEqual(len(child), 1, [p.env.get("FAKE_VISIBLE_DEVICES") for p in h.reactor.processes])
+        argv = child[0].argv
+        self.assertEqual(argv[argv.index("--tensor-split") + 1], "0.5,0.5")
+        self.assertEqual(h.node.supervisors["gpu:0+gpu:1"].state, READY)
+        inventory = h.node.inventory()
+        self.assertEqual([g["group"] for g in inventory["groups"]], ["gpu:0+gpu:1"])
+        group = inventory["groups"][0]
+        self.assertEqual((group["members"], group["model"], group["in_flight"]), (["gpu:0", "gpu:1"], "G", 1))
+        self.assertEqual([d["group"] for d in inventory["devices"]], ["gpu:0+gpu:1", "gpu:0+gpu:1", None])
+        self.assertEqual(h.node.loaded_on("G"), ["gpu:0+gpu:1"])
+
+    def test_explicit_tensor_split_wins(self) -> None:
+        h = Harness(models=[{"model_id": "G", "devices": ["gpu:0", "gpu:1"], "tensor_split": [3, 1]}])
+        h.lease("G")
+        argv = h.live("0,1")[0].argv
+        self.assertEqual(argv[argv.index("--tensor-split") + 1], "3,1")
+
+    def test_the_group_waits_for_a_member_then_its_child_is_stopped_first(self) -> None:
+        h = Harness()
+        lease_a = h.lease("a", device="gpu:1")
+        a_child = h.live("1")[0]
+        results = h.acquire("G")
+        self.assertEqual(results, [])
+        self.assertEqual(h.live("0,1"), [], "no group child while a member serves another model")
+        lease_a.release()
+        self.assertEqual(h.node.supervisors["gpu:1"].state, STOPPING)
+        self.assertEqual(h.live("0,1"), [], "the member's child is stopped before the group's starts")
+        a_child.exit(0)
+        self.assertEqual(h.node.supervisors["gpu:1"].state, STOPPED)
+        self.assertEqual(len(h.live("0,1")), 1)
+        h.answer("G")
+        self.assertIsInstance(results[0], Lease)
+
+    def test_a_member_request_waits_for_the_groups_in_flight_request_then_switches(self) -> None:
+        h = Harness()
+        lease_g = h.lease("G")
+        g_child = h.live("0,1")[0]
+        results = h.acquire("b", device="gpu:1")
+        self.assertEqual(results, [])
+        self.assertEqual(h.live("1"), [])
+        self.assertEqual(h.node.supervisors["gpu:0+gpu:1"].state, READY, "the group's request is not disturbed")
+        lease_g.release()
+        self.assertEqual(h.node.supervisors["gpu:0+gpu:1"].state, STOPPING)
+        g_child.exit(0)
+        self.assertEqual(len(h.live("1")), 1)
+        h.answer("b")
+        self.assertEqual(results[0].device, "gpu:1")
+        # gpu:0 is free again for anything else; the group is unbooked.
+        self.assertIsNone(h.node.scheduler.devices["gpu:0+gpu:1"].model)
+        self.assertEqual(h.lease("a", device="gpu:0").device, "gpu:0")
+
+    def test_a_request_cancelled_while_the_member_stops_starts_nothing(self) -> None:
+        h = Harness()
+        h.lease("a", device="gpu:0").release()
+        d = h.node.acquire(h.model("G"))
+        d.addErrback(lambda f: None)
+        a_child = h.live("0")[0]
+        d.cancel()
+        a_child.exit(0)
+        self.assertEqual(h.live("0,1"), [])
+        self.assertTrue(all(b.pending == 0 for b in h.node.scheduler.devices.values()))
+
+    def test_unloading_a_member_stops_the_group(self) -> None:
+        h = Harness()
+        h.lease("G").release()
+        g_child = h.live("0,1")[0]
+        results: List[Any] = []
+        h.node.unload("gpu:1").addBoth(results.append)
+        self.assertEqual(h.node.supervisors["gpu:0+gpu:1"].state, STOPPING)
+        g_child.exit(0)
+        self.assertEqual(results, [None])
+        self.assertEqual(h.node.supervisors["gpu:0+gpu:1"].state, STOPPED)
+
+    def test_unloading_the_group_by_name(self) -> None:
+        h = Harness()
+        h.lease("G").release()
+        results: List[Any] = []
+        h.node.unload("gpu:0+gpu:1").addBoth(results.append)
+        h.live("0,1")[0].exit(0)
+        self.assertEqual(results, [None])
+
+
+class PinTests(SynchronousTestCase):
+    """A group's child environment and flags, from each real backend's single-device pin."""
+
+    def refs(self, backend: str, count: int = 2, memory: Sequence[Optional[int]] = (24 * GIB, 24 * GIB),
+             cpus: Sequence[Tuple[int, ...]] = ()) -> List[DeviceRef]:
+        return [DeviceRef(backend, i, f"{backend}:{i}", memory_total_bytes=memory[i] if i < len(memory) else None,
+                          cpus=cpus[i] if i < len(cpus) else ()) for i in range(count)]
+
+    def test_cuda(self) -> None:
+        backend = CudaBackend(load_nvml=None)
+        defaults, env, cpus = pin_child(backend, self.refs("cuda", memory=(24 * GIB, 48 * GIB)), {"PATH": "/bin"})
+        self.assertEqual((env["CUDA_VISIBLE_DEVICES"], env["PATH"]), ("0,1", "/bin"))
+        self.assertEqual(env["CUDA_DEVICE_ORDER"], "PCI_BUS_ID")
+        self.assertEqual(defaults, {"tensor-split": [0.333, 0.667]})
+        self.assertEqual(cpus, ())
+
+    def test_rocm_counts_hip_devices_inside_rocr(self) -> None:
+        _, env, _ = pin_child(RocmBackend(), self.refs("rocm", 3, memory=(GIB,) * 3), {})
+        self.assertEqual((env["ROCR_VISIBLE_DEVICES"], env["HIP_VISIBLE_DEVICES"]), ("0,1,2", "0,1,2"))
+
+    def test_sycl_and_vulkan(self) -> None:
+        _, env, _ = pin_child(SyclBackend(), self.refs("sycl"), {})
+        self.assertEqual(env["ONEAPI_DEVICE_SELECTOR"], "level_zero:0,1")
+        _, env, _ = pin_child(VulkanBackend(), self.refs("vulkan"), {})
+        self.assertEqual(env["GGML_VK_VISIBLE_DEVICES"], "0,1")
+
+    def test_one_device_is_the_backends_own_pin(self) -> None:
+        backend = CudaBackend(load_nvml=None)
+        ref = self.refs("cuda", 1)
+        self.assertEqual(pin_child(backend, ref, {"A": "1"}),
+                         (backend.child_arguments(ref[0]), backend.child_environment(ref[0], {"A": "1"}), ()))
+
+    def test_unknown_memory_leaves_the_split_to_llama_server(self) -> None:
+        defaults, _, _ = pin_child(CudaBackend(load_nvml=None), self.refs("cuda", memory=(GIB, None)), {})
+        self.assertNotIn("tensor-split", defaults)
+
+    def test_cpu_devices_get_the_union_of_their_cores(self) -> None:
+        backend = CpuBackend(cpu_devices=2, allowed_cores=lambda: [0, 1, 2, 3])
+        refs = self.refs("cpu", cpus=[(0, 1), (2, 3)])
+        defaults, env, cpus = pin_child(backend, refs, {"PATH": "/bin"})
+        self.assertEqual(defaults, {"cpu-range": "0-3", "threads": 4})
+        self.assertEqual(env, {"PATH": "/bin"})
+        self.assertEqual(cpus, (0, 1, 2, 3))
+        gappy = self.refs("cpu", cpus=[(0,), (2,)])
+        self.assertEqual(pin_child(backend, gappy, {})[0], {"cpu-mask": "5", "threads": 2})
+
+    def test_group_names(self) -> None:
+        self.assertEqual(group_name(["cuda:0", "cuda:1"]), "cuda:0+cuda:1")
+        config = make_config(MODELS)
+        self.assertEqual(groups_of(config.models), [("gpu:0", "gpu:1")])
+
+
+class ConfigTests(SynchronousTestCase):
+    def test_devices_and_reserve(self) -> None:
+        config = make_config([{"model_id": "G", "devices": ["cuda:0", "cuda:1"]}], device_memory_reserve_bytes=1 << 30)
+        self.assertEqual(config.model("G").devices, ("cuda:0", "cuda:1"))
+        self.assertEqual(config.device_memory_reserve_bytes, 1 << 30)
+        self.assertEqual(make_config([{"model_id": "a"}]).device_memory_reserve_bytes, 0)
+
+    def test_bad_values_are_one_line_errors(self) -> None:
+        for top, models, message in [
+            ({"device_memory_reserve_bytes": -1}, [], "device_memory_reserve_bytes: expected a non-negative integer"),
+            ({}, [{"model_id": "G", "devices": "cuda:0"}], "models[0].devices: expected a list of strings"),
+            ({}, [{"model_id": "G", "devices": ["cuda:0", "cuda:0"]}],
+             'models[0].devices[1]: "cuda:0" is listed twice'),
+            ({}, [{"model_id": "G", "devices": [""]}], "models[0].devices[0]: expected a non-empty string"),
+        ]:
+            with self.assertRaises(ConfigError) as caught:
+                make_config(models, **top)
+            self.assertIn(message, str(caught.exception))
+
+    def test_a_device_the_node_lacks_is_a_startup_error(self) -> None:
+        config = make_config([{"model_id": "G", "devices": ["cpu:0", "cpu:7"]}])
+        with self.assertRaises(ConfigError) as caught:
+            check_service_config(config, ["cpu:0", "cpu:1"])
+        self.assertEqual(str(caught.exception),
+                         'models[0].devices[1]: "cpu:7" is not a device of this node (cpu:0, cpu:1)')
+
+
+class CheckReportTests(SynchronousTestCase):
+    def test_estimates_where_each_fits_and_a_warning_for_a_model_nothing_holds(self) -> None:
+        directory = self.mktemp()
+        os.makedirs(directory)
+        path = write_tiny_gguf(os.path.join(directory, "t.gguf"))
+        config = make_config([
+            {"model_id": "tiny", "path": path},
+            {"model_id": "huge", "path": path, "ctx_size": 1 << 36},
+            {"model_id": "pair", "path": path, "devices": ["cpu:0", "cpu:1"]},
+            # 6 GiB of KV cache and 12 GiB of masks: more than the host's 16 GiB,
+            # less than the 32 GiB two GPUs of 16 would have.
+            {"model_id": "wide", "path": path, "devices": ["cpu:0", "cpu:1"], "ctx_size": 3 << 22},
+            {"model_id": "gone", "path": os.path.join(directory, "missing.gguf")},
+        ])
+        refs = [DeviceRef("cpu", i, f"cpu:{i}", memory_total_bytes=16 * GIB, cpus=(i,)) for i in range(2)]
+        out = io.StringIO()
+        memory_report(config, "cpu", refs, out)
+        lines = out.getvalue().splitlines()
+        self.assertIn("device_memory_reserve_bytes: 0", lines[1])
+        self.assertTrue(lines[2].startswith("tiny: 1.3 MiB (weights 0.5 MiB, KV cache 0.1 MiB"), lines[2])
+        self.assertTrue(lines[2].endswith("; fits on cpu:0, cpu:1"), lines[2])
+        self.assertTrue(lines[3].startswith("# WARNING: huge: needs an estimated"), lines[3])
+        self.assertIn("cpu:0, has 16.00 GiB in total", lines[3])
+        self.assertTrue(lines[4].startswith("pair: 1.3 MiB"), lines[4])
+        self.assertTrue(lines[4].endswith("fits on cpu:0+cpu:1"), lines[4])
+        # cpu devices share the host's memory: the group has it once, not twice.
+        self.assertTrue(lines[5].startswith("# WARNING: wide: needs an estimated 18.00 GiB"), lines[5])
+        self.assertIn("cpu:0+cpu:1, has 16.00 GiB in total", lines[5])
+        self.assertTrue(lines[6].startswith("gone: no estimate ("), lines[6])
