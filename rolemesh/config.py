@@ -64,12 +64,16 @@ TOP_LEVEL_KEYS: Tuple[KeyDoc, ...] = (
            "Allow-list such as `[\"gpu:0\", \"gpu:2\"]`; naming an absent device is an error."),
     KeyDoc("cpu_devices", "`numa` or a positive integer", "one device",
            "How the `cpu` backend splits the host: one device per NUMA node, or N core groups."),
-    KeyDoc("llama_server_bin", "path or command name", "the `llama` extra's binary, else `llama-server` on PATH",
+    KeyDoc("llama_server_bin", "path or command name",
+           "the one `scripts/install-llama-server.sh` installed, else `llama-server` on PATH",
            "The llama-server executable."),
     KeyDoc("llama_server_startup_timeout_s", "positive number", "`30.0`",
            "How long a child may take to become ready."),
     KeyDoc("llama_server_probe_interval_s", "positive number", "`0.5`",
            "Readiness probe interval while a child starts."),
+    KeyDoc("llama_server_stall_timeout_s", "positive number", "`20.0`",
+           "A loading child that prints nothing for this long has stalled: it is killed and the load fails "
+           "(`model_load_timeout`, \"stalled\") without waiting for `llama_server_startup_timeout_s`."),
     KeyDoc("llama_server_stop_timeout_s", "positive number", "`5.0`",
            "Grace between SIGTERM and SIGKILL when a child is stopped."),
     KeyDoc("max_pending_requests_per_device", "positive integer", "`2`",
@@ -101,6 +105,12 @@ TOP_LEVEL_KEYS: Tuple[KeyDoc, ...] = (
     KeyDoc("request_read_timeout_s", "positive number", "`30`",
            "Deadline for receiving a whole request (headers and body); slower clients are cut off."),
     KeyDoc("idle_timeout_s", "positive number", "`60`", "Keep-alive connections idle this long are closed."),
+    KeyDoc("queue_timeout_s", "positive number", "`300`",
+           "Longest wait in a device queue; then 503 `queue_timeout` with `Retry-After`, and the request leaves "
+           "the queue."),
+    KeyDoc("stream_idle_timeout_s", "positive number", "`120`",
+           "Longest silence between chunks of an answer that has begun (stream or body); then the answer is "
+           "ended (an SSE error event, or a cut connection) and the child is probed and replaced if it fails."),
     KeyDoc("request_timeout_s", "positive number", "`600`",
            "Deadline for a non-streaming upstream answer (504 after it)."),
     KeyDoc("shutdown_grace_s", "non-negative number", "`30`",
@@ -138,6 +148,10 @@ MODEL_KEYS: Tuple[KeyDoc, ...] = (
            "Other llama-server flags: `true` = bare flag, `false`/null = omitted, lists repeat the flag "
            "(or join with commas where llama-server expects that)."),
     KeyDoc("preload", "boolean", "`false`", "Load this model at start-up."),
+    KeyDoc("inference_probe_interval_s", "positive number", "unset (off)",
+           "After this long without a successful request, send the ready child a 1-token completion (an "
+           "embedding for embedding models); 3 failures in a row replace the child. Catches a child whose "
+           "`/health` answers while its GPU is broken."),
     KeyDoc("idle_unload_s", "positive number or null", "the top-level value",
            "Per-model idle unload; null keeps it loaded forever."),
 )
@@ -165,6 +179,7 @@ class ModelConfig:
     preload: bool = False
     #: ``None`` = inherit the node default; ``0`` is never stored.
     idle_unload_s: Optional[float] = None
+    inference_probe_interval_s: Optional[float] = None
     #: The devices the model runs on (one: pinned; several: a device group);
     #: empty = any single device.
     devices: Tuple[str, ...] = ()
@@ -210,6 +225,7 @@ class NodeConfig:
     llama_server_startup_timeout_s: float = 30.0
     llama_server_probe_interval_s: float = 0.5
     llama_server_stop_timeout_s: float = 5.0
+    llama_server_stall_timeout_s: float = 20.0
     max_pending_requests_per_device: int = 2
     device_memory_reserve_bytes: int = 0
     dispatcher_base_url: Optional[str] = None
@@ -224,6 +240,8 @@ class NodeConfig:
     max_connections: int = 1024
     request_read_timeout_s: float = 30.0
     idle_timeout_s: float = 60.0
+    queue_timeout_s: float = 300.0
+    stream_idle_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
     shutdown_grace_s: float = 30.0
     idle_unload_s: Optional[float] = None
@@ -593,6 +611,7 @@ def _validate_model(i: int, data: Any, check_files: bool) -> ModelConfig:
         server_args=_server_args(prefix + "server_args", data.get("server_args") or {}, data),
         preload=preload,
         idle_unload_s=_optional(data, "idle_unload_s", prefix, _positive_number),
+        inference_probe_interval_s=_optional(data, "inference_probe_interval_s", prefix, _positive_number),
         keep_loaded=keep_loaded,
         devices=tuple(devices),
     )
@@ -824,6 +843,9 @@ def validate(
         llama_server_probe_interval_s=_positive_number(
             "llama_server_probe_interval_s", data.get("llama_server_probe_interval_s", 0.5)
         ),
+        llama_server_stall_timeout_s=_positive_number(
+            "llama_server_stall_timeout_s", data.get("llama_server_stall_timeout_s", 20.0)
+        ),
         llama_server_stop_timeout_s=_positive_number(
             "llama_server_stop_timeout_s", data.get("llama_server_stop_timeout_s", 5.0)
         ),
@@ -845,6 +867,8 @@ def validate(
         max_connections=_positive_int("max_connections", data.get("max_connections", 1024)),
         request_read_timeout_s=_positive_number("request_read_timeout_s", data.get("request_read_timeout_s", 30.0)),
         idle_timeout_s=_positive_number("idle_timeout_s", data.get("idle_timeout_s", 60.0)),
+        queue_timeout_s=_positive_number("queue_timeout_s", data.get("queue_timeout_s", 300.0)),
+        stream_idle_timeout_s=_positive_number("stream_idle_timeout_s", data.get("stream_idle_timeout_s", 120.0)),
         request_timeout_s=_positive_number("request_timeout_s", data.get("request_timeout_s", 600.0)),
         shutdown_grace_s=_non_negative_number("shutdown_grace_s", data.get("shutdown_grace_s", 30.0)),
         idle_unload_s=None if idle is None else _positive_number("idle_unload_s", idle),

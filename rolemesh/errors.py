@@ -65,6 +65,11 @@ def queue_full(where: str, limit: int) -> ApiError:
                     "rate_limit_error", "queue_full", retry_after=1)
 
 
+def queue_timeout(where: str, seconds: float) -> ApiError:
+    return ApiError(503, f"waited {seconds:g}s in the queue of {where} without a turn (queue_timeout_s); "
+                         "retry shortly", "server_error", "queue_timeout", retry_after=5)
+
+
 def upstream_error(message: str) -> ApiError:
     return ApiError(502, message, "server_error", "upstream_error")
 

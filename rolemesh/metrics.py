@@ -51,6 +51,8 @@ REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 
 TTFB_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 #: Model load (spawn to ready).
 LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+#: Time a request waits in a device queue before it may run (0 when it runs at once).
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 #: Supervisor counters turned into ``(device, model)`` counters:
 #: attribute -> (metric name without ``_total``, help).
@@ -68,6 +70,10 @@ SUPERVISOR_COUNTERS: Dict[str, Tuple[str, str]] = {
     "restarts": (
         "rolemesh_child_restarts",
         "llama-server children restarted after a crash or a failed health probe.",
+    ),
+    "safe_mode_retries": (
+        "rolemesh_model_safe_mode_retries",
+        "Loads retried with --no-repack after llama-server died of SIGILL (a non-portable build).",
     ),
 }
 
@@ -116,6 +122,12 @@ class NodeMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.queue_timeouts = Counter(
+            "rolemesh_queue_timeouts",
+            "Requests answered 503 queue_timeout after waiting queue_timeout_s in a device queue.",
+            ["model"],
+            registry=self.registry,
+        )
         self.idle_unloads = Counter(
             "rolemesh_idle_unloads",
             "Children stopped after idle_unload_s without requests.",
@@ -129,8 +141,17 @@ class NodeMetrics:
             buckets=LOAD_BUCKETS,
             registry=self.registry,
         )
+        self.queue_wait = Histogram(
+            "rolemesh_queue_wait_seconds",
+            "Seconds a request waited in its device's queue before it could run (model load not included).",
+            ["device"],
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=self.registry,
+        )
         for model_id in sorted(self._models):
             self.queue_full.labels(model=model_id)
+        for device_name in node.supervisors:
+            self.queue_wait.labels(device=device_name)
 
         #: (device, model, supervisor attribute) -> count since start.
         self._supervisor_counts: Dict[Tuple[str, str, str], float] = {}
@@ -139,7 +160,9 @@ class NodeMetrics:
         self._handlers: Dict[str, Callable[..., None]] = {
             "request": self._on_request,
             "queue_full": self._on_queue_full,
+            "queue_timeout": self._on_queue_timeout,
             "idle_unload": self._on_idle_unload,
+            "queue_wait": self._on_queue_wait,
         }
 
         self.registry.register(_LiveCollector(self))
@@ -209,10 +232,19 @@ class NodeMetrics:
     def _on_queue_full(self, model: Any = None, **_: Any) -> None:
         self.queue_full.labels(model=self._model(model)).inc()
 
+    def _on_queue_timeout(self, model: Any = None, **_: Any) -> None:
+        self.queue_timeouts.labels(model=self._model(model)).inc()
+
     def _on_idle_unload(self, device: Any = None, model: Any = None, **_: Any) -> None:
         name = self._device(device)
         if name is not None:
             self.idle_unloads.labels(device=name, model=self._model(model)).inc()
+
+    def _on_queue_wait(self, device: Any = None, seconds: Any = None, **_: Any) -> None:
+        name = self._device(device)
+        wait = _number(seconds)
+        if name is not None and wait is not None:
+            self.queue_wait.labels(device=name).observe(max(0.0, wait))
 
     # -- supervisors ---------------------------------------------------------------
 
@@ -266,6 +298,7 @@ class _LiveCollector(Collector):
             self._children,
             self._supervisor_counters,
             self._devices,
+            self._telemetry,
             self._dispatcher,
         ):
             try:
@@ -392,6 +425,48 @@ class _LiveCollector(Collector):
             g["stale"].add_metric([name], 1 if sample.stale else 0)
         yield from g.values()
 
+    def _telemetry(self) -> Iterator[Metric]:
+        """Each ready child's own telemetry, labelled by device and model."""
+        metrics = self._metrics
+        sampler = getattr(metrics.node, "telemetry", None)
+        if sampler is None:
+            return
+        now = metrics._now()
+        slots = GaugeMetricFamily("rolemesh_device_slots", "llama-server slots of the device's child (--parallel).",
+                                  labels=["device", "model"])
+        busy = GaugeMetricFamily("rolemesh_device_slots_busy", "Slots processing a request now.",
+                                 labels=["device", "model"])
+        rate = GaugeMetricFamily("rolemesh_device_tokens_per_second",
+                                 "Tokens generated per second between the last two telemetry samples.",
+                                 labels=["device", "model"])
+        kv = GaugeMetricFamily("rolemesh_device_kv_cache_usage_ratio",
+                               "KV cache in use, 0 to 1, where the llama-server build reports it.",
+                               labels=["device", "model"])
+        stale = GaugeMetricFamily("rolemesh_device_telemetry_stale",
+                                  "1 when the child's last /metrics or /slots request failed (figures are the "
+                                  "last good ones); 0 when it answered; absent without a ready child.",
+                                  labels=["device", "model"])
+        age = GaugeMetricFamily("rolemesh_device_telemetry_age_seconds",
+                                "Seconds since the child's telemetry last answered.", labels=["device", "model"])
+        child: Dict[str, Any] = {}
+        for name in metrics.node.supervisors:
+            record = sampler.latest(name)
+            if record is None:
+                continue
+            labels = [name, metrics._model(record.model)]
+            stale.add_metric(labels, 1 if record.stale else 0)
+            good_at = _number(record.good_at)
+            if good_at is not None:
+                age.add_metric(labels, max(0.0, now - good_at))
+            for family, value in ((slots, record.slots_total), (busy, record.slots_busy),
+                                  (rate, record.tokens_per_s), (kv, record.kv_cache_usage_ratio)):
+                number = _number(value)
+                if number is not None:
+                    family.add_metric(labels, number)
+            _relabel(child, record.families, labels)
+        yield from (slots, busy, rate, kv, stale, age)
+        yield from child.values()
+
     def _dispatcher(self) -> Iterator[Metric]:
         client = getattr(self._metrics.root, "dispatcher", None)
         if client is None:
@@ -422,3 +497,31 @@ class _LiveCollector(Collector):
         for s in DISPATCHER_STATES:
             state.add_metric([s], 1 if current == s else 0)
         yield state
+
+
+def _relabel(out: Dict[str, Any], families: Iterable[Any], labels: List[str]) -> None:
+    """Add a child's families to ``out`` as ``rolemesh_llamacpp_*`` series with
+    ``device`` and ``model`` labels (never the child's port), keeping the
+    child's counter/gauge types (anything else is left out)."""
+    from rolemesh.telemetry import export_name
+
+    for family in families:
+        if family.type not in ("counter", "gauge"):
+            continue
+        counter = family.type == "counter"
+        sample_name = family.name + "_total" if counter else family.name
+        extra = sorted({key for sample in family.samples for key, _ in sample.labels} - {"device", "model"})
+        name = export_name(family.name)
+        metric = out.get(name)
+        if metric is None:
+            documentation = f"llama-server: {family.documentation}" if family.documentation else "llama-server"
+            cls = CounterMetricFamily if counter else GaugeMetricFamily
+            metric = out[name] = cls(name, documentation, labels=["device", "model", *extra])
+        known = list(getattr(metric, "_labelnames", ()))
+        for sample in family.samples:
+            if sample.name != sample_name:
+                continue
+            values = dict(sample.labels)
+            row = labels + [values.get(key, "") for key in known[2:]]
+            if len(row) == len(known):
+                metric.add_metric(row, sample.value)

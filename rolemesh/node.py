@@ -63,6 +63,8 @@ class _Acquisition:
     model: ModelConfig
     result: Deferred
     loading: Optional[Deferred] = None
+    #: Ends the wait in the queue (``queue_timeout_s``); None once started.
+    queue_timer: Any = None
     #: When it joined the queue (reactor seconds), for the queue-wait histogram.
     queued_at: float = 0.0
     #: The client went away (while evicted children stopped, say).
@@ -198,8 +200,9 @@ class Node(MultiService, UsesReactor):
                     self._refuse(request)
                     request.loading.cancel()  # frees the ticket through its errback
 
-    @staticmethod
-    def _refuse(request: Any) -> None:
+    @classmethod
+    def _refuse(cls, request: Any) -> None:
+        cls._stop_queue_timer(request)
         result = getattr(request, "result", None)
         if result is not None and not result.called:
             result.errback(errors.shutting_down())
@@ -259,7 +262,28 @@ class Node(MultiService, UsesReactor):
             self._emit("queue_full", model=model.model_id)
             where = f"device {device}" if device else "every device that can take it"
             return defer.fail(errors.queue_full(where, self.config.max_pending_requests_per_device))
+        if ticket.state == QUEUED:
+            request.queue_timer = self.reactor.callLater(
+                self.config.queue_timeout_s, self._queue_timed_out, ticket, request)
         return request.result
+
+    def _queue_timed_out(self, ticket: Ticket, request: _Acquisition) -> None:
+        request.queue_timer = None
+        if ticket.state != QUEUED or request.result.called:
+            return
+        self.scheduler.cancel(ticket)
+        log.warn("a request for {model} waited {seconds:g}s in the queue of {device}; answered 503 queue_timeout",
+                 model=request.model.model_id, seconds=self.config.queue_timeout_s, device=ticket.device)
+        self._emit("queue_timeout", model=request.model.model_id)
+        request.result.errback(errors.queue_timeout(f"device {ticket.device}", self.config.queue_timeout_s))
+
+    @staticmethod
+    def _stop_queue_timer(request: Any) -> None:
+        timer = getattr(request, "queue_timer", None)
+        if timer is not None:
+            request.queue_timer = None
+            if timer.active():
+                timer.cancel()
 
     # -- memory ---------------------------------------------------------------------
 
@@ -377,6 +401,7 @@ class Node(MultiService, UsesReactor):
 
     def _cancel(self, ticket: Ticket, request: _Acquisition) -> None:
         request.cancelled = True
+        self._stop_queue_timer(request)
         if ticket.state == QUEUED:
             self.scheduler.cancel(ticket)
         elif ticket.state == RUNNING and request.loading is not None and not request.loading.called:
@@ -388,6 +413,7 @@ class Node(MultiService, UsesReactor):
             self._unload_started(ticket, ticket.context, evicting)
             return
         request: _Acquisition = ticket.context  # type: ignore[assignment]
+        self._stop_queue_timer(request)
         if self.draining:  # started by a drain freeing its device: not begun, so refused
             self.scheduler.finish(ticket)
             self._refuse(request)

@@ -433,6 +433,45 @@ class IdleUnloadTests(SynchronousTestCase):
         self.assertEqual([c for c in h.reactor.getDelayedCalls() if c.active()], [])
 
 
+class QueueTimeoutTests(SynchronousTestCase):
+    def test_a_request_that_waits_too_long_in_the_queue_gets_503_and_leaves_it(self) -> None:
+        h = NodeHarness(queue_timeout_s=10, max_pending_requests_per_device=3)
+        first = h.node.acquire(h.model("a"))
+        h.answer("alpha")
+        lease = self.successResultOf(first)
+        queued = h.node.acquire(h.model("a"))
+        h.reactor.advance(9.9)
+        self.assertNoResult(queued)
+        h.reactor.advance(0.1)
+        failure = self.failureResultOf(queued, errors.ApiError)
+        self.assertEqual((failure.value.status, failure.value.code), (503, "queue_timeout"))
+        self.assertIsNotNone(failure.value.retry_after)
+        self.assertEqual(h.node.in_flight(), 1, "the ticket left the queue")
+        lease.release()
+        self.assertTrue(h.idle())
+
+    def test_the_timer_stops_once_the_request_starts(self) -> None:
+        h = NodeHarness(queue_timeout_s=10)
+        first = h.node.acquire(h.model("a"))
+        h.answer("alpha")
+        lease = self.successResultOf(first)
+        queued = h.node.acquire(h.model("a"))
+        h.reactor.advance(5)
+        lease.release()
+        second = self.successResultOf(queued)
+        h.reactor.advance(60)
+        self.assertFalse(second.released)
+        second.release()
+        self.assertTrue(h.idle())
+
+    def test_a_request_that_starts_at_once_has_no_timer(self) -> None:
+        h = NodeHarness(queue_timeout_s=5)
+        d = h.node.acquire(h.model("a"))
+        h.reactor.advance(6)  # a load longer than the queue timeout is not a queue wait
+        h.answer("alpha")
+        self.successResultOf(d).release()
+
+
 class DrainTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.h = NodeHarness()
