@@ -293,6 +293,46 @@ class ReloadTests(ServiceTestCase):
         self.assertIn("2048", new_child.argv)
         waiting[0].release()
 
+    def test_changed_command_never_restarts_under_parallel_requests(self) -> None:
+        h = self.harness(base(models=[{"model_id": "p", "server_args": {"parallel": 2}}]))
+        h.start()
+        first = self.acquire(h, "p")
+        old_child = h.live_children()[0]
+        h.write(base(models=[{"model_id": "p", "ctx_size": 1024, "server_args": {"parallel": 2}}]))
+        self.assertEqual(self.reload(h)[1]["models"]["restart_on_next_use"], ["p"])
+        # A free slot is not enough: the old child must not be switched under the first request.
+        second: List[Any] = []
+        h.root.node.acquire(h.root.config.model("p")).addBoth(second.append)
+        h.reactor.advance(1)
+        self.assertEqual((second, old_child.signals), ([], []))
+        first.release()
+        self.assertIn(signal.SIGTERM, old_child.signals)
+        old_child.exit(0)
+        h.answer("p")
+        self.assertTrue(second and isinstance(second[0], Lease), second)
+        self.assertIn("1024", h.live_children()[0].argv)
+        second[0].release()
+
+    def test_changed_while_loading_the_old_load_serves_its_request_only(self) -> None:
+        h = self.harness(base(models=[{"model_id": "p", "server_args": {"parallel": 2}}]))
+        h.start()
+        first: List[Any] = []
+        h.root.node.acquire(h.root.config.model("p")).addBoth(first.append)
+        h.write(base(models=[{"model_id": "p", "ctx_size": 1024, "server_args": {"parallel": 2}}]))
+        self.reload(h)
+        h.answer("p")  # the load begun before the reload finishes
+        self.assertTrue(first and isinstance(first[0], Lease), first)
+        old_child = h.live_children()[0]
+        second: List[Any] = []
+        h.root.node.acquire(h.root.config.model("p")).addBoth(second.append)
+        self.assertEqual((second, old_child.signals), ([], []))
+        first[0].release()
+        old_child.exit(0)
+        h.answer("p")
+        self.assertTrue(second and isinstance(second[0], Lease), second)
+        self.assertIn("1024", h.live_children()[0].argv)
+        second[0].release()
+
     def test_changed_roles_keep_the_child(self) -> None:
         self.acquire(self.h, "a").release()
         child = self.h.live_children()[0]

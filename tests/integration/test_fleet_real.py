@@ -296,3 +296,34 @@ class ReloadUnderLoadTests(SynchronousTestCase):
         failed = [(n, status, raw[:200]) for n, _, status, raw in answers if status != 200]
         self.assertEqual(failed, [], f"{len(failed)} of {len(answers)} requests failed")
         self.assertGreater(len(answers), 12)
+
+
+class SighupTests(SynchronousTestCase):
+    def test_sighup_reloads_and_a_bad_file_is_logged_not_fatal(self) -> None:
+        require_llama_server()
+        directory = os.path.abspath(self.mktemp())
+        a, b = tiny_model(directory, "a", 1), tiny_model(directory, "b", 2)
+        agent = AgentProcess(directory, {"models": [{"model_id": "a", "path": a}]})
+        self.addCleanup(agent.stop)
+
+        def served() -> List[str]:
+            status, _, raw = agent.request("GET", "/v1/models")
+            return [m["id"] for m in json.loads(raw)["data"]]
+
+        with open(agent.config_path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+        config["models"].append({"model_id": "b", "path": b})
+        with open(agent.config_path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(config, f)
+        agent.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: served() == ["a", "b"], 10, what="model b after SIGHUP")
+        self.assertIn("config reloaded (SIGHUP): models added: b", agent.log_text())
+
+        with open(agent.config_path, "a", encoding="utf-8") as f:
+            f.write("models: [\n")
+        agent.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: "config reload (SIGHUP) failed" in agent.log_text(), 10, what="the error logged")
+        self.assertIn("invalid YAML", agent.log_text())
+        self.assertEqual(served(), ["a", "b"])
+        self.assertIsNone(agent.process.poll())
+        self.assertEqual(agent.stop(), 0)
