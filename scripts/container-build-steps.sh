@@ -31,7 +31,7 @@ say "virtual environment in $venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir --upgrade pip
 target="$root"
 if [ -n "${ROLEMESH_EXTRAS:-}" ]; then
-    target="$root[$ROLEMESH_EXTRAS]"
+    target="${root}[${ROLEMESH_EXTRAS}]"
 fi
 say "installing the agent from $target"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir "$target"
