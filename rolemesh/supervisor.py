@@ -190,6 +190,7 @@ class _ChildProtocol(ProcessProtocol):
         self._partial: Dict[int, bytes] = {1: b"", 2: b""}
 
     def childDataReceived(self, fd: int, data: bytes) -> None:
+        self._supervisor._load_progressed(self._generation)
         buffered = self._partial.get(fd, b"") + data
         *lines, self._partial[fd] = buffered.split(b"\n")
         if len(self._partial[fd]) > 8192:  # a runaway line: keep it, bounded
@@ -273,6 +274,7 @@ class DeviceSupervisor(Service, UsesReactor):
         self._probe_loop: Optional[LoopingCall] = None
         self._probe_in_flight: Optional[Deferred] = None
         self._startup_timer: Any = None
+        self._stall_timer: Any = None
         self._kill_timer: Any = None
         self._term_deadline = 0.0
         self._started_at = 0.0
@@ -483,6 +485,7 @@ class DeviceSupervisor(Service, UsesReactor):
         self._startup_timer = self.reactor.callLater(
             self._config.llama_server_startup_timeout_s, self._startup_timed_out
         )
+        self._stall_timer = self.reactor.callLater(self._config.llama_server_stall_timeout_s, self._stalled)
 
     def _probe_once(self) -> None:
         if self.state != STARTING or self._probe_in_flight is not None or self.model is None:
@@ -511,9 +514,10 @@ class DeviceSupervisor(Service, UsesReactor):
         if self._probe_loop is not None and self._probe_loop.running:
             self._probe_loop.stop()
         self._probe_loop = None
-        if self._startup_timer is not None and self._startup_timer.active():
-            self._startup_timer.cancel()
-        self._startup_timer = None
+        for timer in (self._startup_timer, self._stall_timer):
+            if timer is not None and timer.active():
+                timer.cancel()
+        self._startup_timer = self._stall_timer = None
 
     def _became_ready(self) -> None:
         self._stop_timers()
@@ -536,18 +540,34 @@ class DeviceSupervisor(Service, UsesReactor):
 
     def _startup_timed_out(self) -> None:
         self._startup_timer = None
-        assert self.model is not None
         timeout = self._config.llama_server_startup_timeout_s
+        self._load_timed_out(f"did not become ready within {timeout:g}s (llama_server_startup_timeout_s)")
+
+    def _stalled(self) -> None:
+        """Loading made no progress (no output at all) for the stall window:
+        fail now rather than at the outer startup bound."""
+        self._stall_timer = None
+        window = self._config.llama_server_stall_timeout_s
+        self._load_timed_out(f"stalled: printed nothing for {window:g}s while loading (llama_server_stall_timeout_s)")
+
+    def _load_progressed(self, generation: int) -> None:
+        """Any output of a loading child is progress (llama.cpp prints its
+        load steps, and dots while it reads tensors): the stall window restarts."""
+        if generation == self.generation and self._stall_timer is not None and self._stall_timer.active():
+            self._stall_timer.reset(self._config.llama_server_stall_timeout_s)
+
+    def _load_timed_out(self, what: str) -> None:
+        assert self.model is not None
+        self._stop_timers()
         line = diagnosis.decisive_line(self._attempt, self.model.path, self.model.model_id)
         message = diagnosis.shorten(
-            f"model {self.model.model_id!r} did not become ready on {self.name} within {timeout:g}s "
-            f"(llama_server_startup_timeout_s)" + (f"; last error: {line}" if line else "")
+            f"model {self.model.model_id!r} {what} on {self.name}" + (f"; last error: {line}" if line else "")
         )
-        self._record_failure(load=True)
+        delay = self._record_failure(load=True)
         self.load_timeouts += 1
         self._note_error("model_load_timeout", message)
-        self._stop_child("startup timeout", kill_now=True, reason=FAILED)
-        self._fail_waiters(errors.model_load_timeout(message, retry_after=max(1, int(timeout))))
+        self._stop_child("load timed out", kill_now=True, reason=FAILED)
+        self._fail_waiters(errors.model_load_timeout(message, retry_after=_seconds(delay)))
 
     # -- output and exit ------------------------------------------------------
 

@@ -28,10 +28,8 @@ class Harness:
     def __init__(self, **top):
         self.config = make_config(
             [{"model_id": "a", "roles": ["chat"]}, {"model_id": "b", "alias": "bee"}],
-            llama_server_startup_timeout_s=10.0,
-            llama_server_probe_interval_s=0.5,
-            llama_server_stop_timeout_s=5.0,
-            **top,
+            **{"llama_server_startup_timeout_s": 10.0, "llama_server_probe_interval_s": 0.5,
+               "llama_server_stop_timeout_s": 5.0, **top},
         )
         self.reactor = ProcessReactor()
         self.probe = FakeProbe()
@@ -232,6 +230,40 @@ class StateMachineTests(SynchronousTestCase):
         message = self.failureResultOf(d, errors.ApiError).value.message
         self.assertIn("second attempt broke", message)
         self.assertNotIn("first attempt", message)
+
+    def test_a_silent_load_fails_at_the_stall_window_not_the_outer_bound(self):
+        h = Harness(llama_server_startup_timeout_s=300.0, llama_server_stall_timeout_s=20.0)
+        d = h.sup.ensure(h.a)
+        h.reactor.last.output("llama_model_loader: loaded meta data\n")
+        h.reactor.advance(19.9)
+        self.assertNoResult(d)
+        h.reactor.advance(0.1)
+        failure = self.failureResultOf(d, errors.ApiError)
+        self.assertEqual((failure.value.status, failure.value.code), (503, "model_load_timeout"))
+        self.assertIn("stalled: printed nothing for 20s", failure.value.message)
+        self.assertEqual(h.signals.calls, [(h.reactor.last.pid, signal.SIGKILL)])
+        self.assertEqual(failure.value.retry_after, 15)
+
+    def test_a_slow_load_that_progresses_is_not_stalled(self):
+        # A big model: four minutes of loading, a progress dot every 10 s.
+        h = Harness(llama_server_startup_timeout_s=300.0, llama_server_stall_timeout_s=20.0)
+        d = h.sup.ensure(h.a)
+        for _ in range(24):
+            h.reactor.advance(10)
+            h.reactor.last.output(".")  # llama.cpp's progress dots come without a newline
+        self.assertNoResult(d)
+        self.assertEqual(h.sup.state, STARTING)
+        h.make_ready("a")
+        self.successResultOf(d)
+
+    def test_the_outer_bound_still_holds_for_a_chatty_child(self):
+        h = Harness(llama_server_startup_timeout_s=30.0, llama_server_stall_timeout_s=20.0)
+        d = h.sup.ensure(h.a)
+        for _ in range(3):
+            h.reactor.advance(10)
+            h.reactor.last.output("still loading\n")
+        failure = self.failureResultOf(d, errors.ApiError)
+        self.assertIn("did not become ready within 30s", failure.value.message)
 
     def test_switch_stops_then_starts(self):
         h = self.h
