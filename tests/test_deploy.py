@@ -29,7 +29,7 @@ def manifests() -> List[str]:
 
 
 def documents() -> List[Dict[str, Any]]:
-    out = []
+    out: List[Dict[str, Any]] = []
     for path in manifests():
         with open(path, encoding="utf-8") as f:
             out.extend(d for d in yaml.safe_load_all(f) if d)

@@ -125,7 +125,7 @@ class ReadinessDecisionTests(SynchronousTestCase):
         self.assertIsNone(r.to_json()["failing"])
 
     def test_names_the_first_failing_condition(self) -> None:
-        cases = [
+        cases: List[Any] = [
             (dict(listening=False), "listening"),
             (dict(devices=0), "devices"),
             (dict(preloading=2), "preload"),
@@ -378,7 +378,11 @@ class ReloadTests(ServiceTestCase):
     def test_self_reloading_parts_are_asked_every_time(self) -> None:
         seen: List[Any] = []
         assert self.h.root.reloader is not None
-        self.h.root.reloader.add_self_reloading("tls", lambda config: seen.append(config) or "certificate reloaded")
+        def tls(config: NodeConfig) -> str:
+            seen.append(config)
+            return "certificate reloaded"
+
+        self.h.root.reloader.add_self_reloading("tls", tls)
 
         def broken(config: NodeConfig) -> None:
             raise RuntimeError("cannot read cert.pem")

@@ -51,7 +51,7 @@ class FakeNotifySocket:
 
     def messages(self) -> List[Dict[str, str]]:
         """Every datagram received so far, each as its KEY=value fields."""
-        out = []
+        out: List[Dict[str, str]] = []
         while True:
             try:
                 data = self.sock.recv(4096)
@@ -92,7 +92,7 @@ class PureTests(SynchronousTestCase):
         self.assertIsNone(watchdog_interval({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "8"}, pid=7))
 
     def test_status_line_names_devices_models_and_draining(self) -> None:
-        devices = [
+        devices: List[Dict[str, Any]] = [
             {"device": "gpu:0", "state": "ready", "model": "qwen", "in_flight": 1, "queued": 2},
             {"device": "gpu:1", "state": "stopped", "model": None, "in_flight": 0, "queued": 0},
         ]
