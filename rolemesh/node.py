@@ -89,6 +89,7 @@ class Node(MultiService, UsesReactor):
         metrics_interval: float = METRICS_INTERVAL_S,
         telemetry_get: Optional[Callable[..., Deferred]] = None,
         facts: Optional[Mapping[str, Optional[GGUFFacts]]] = None,
+        read_facts: Optional[Callable[[str], Optional[GGUFFacts]]] = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -109,8 +110,11 @@ class Node(MultiService, UsesReactor):
             [d.name for d in self.devices], config.max_pending_requests_per_device, self._ticket_started,
             groups=self.groups,
         )
-        #: GGUF header facts per model_id (None: unknown, no memory checks).
+        #: GGUF header facts per model path (None: unreadable, no memory
+        #: checks); a path not seen yet -- a model a reload added or moved --
+        #: is read with ``read_facts`` on first use (header only: milliseconds).
         self.facts: Dict[str, Optional[GGUFFacts]] = dict(facts or {})
+        self._read_facts = read_facts
         self.metrics: Dict[str, DeviceMetrics] = {}
         self.draining = False
         self._drained: List[Deferred] = []
@@ -312,7 +316,9 @@ class Node(MultiService, UsesReactor):
     def estimate_for(self, model: ModelConfig, lane: Optional[str] = None) -> Optional[MemoryEstimate]:
         """``model``'s memory estimate on ``lane`` (default: its first lane);
         None when its GGUF header could not be read."""
-        facts = self.facts.get(model.model_id)
+        if model.path not in self.facts and self._read_facts is not None:
+            self.facts[model.path] = self._read_facts(model.path)
+        facts = self.facts.get(model.path)
         if facts is None:
             return None
         lane = lane or self.lanes_for(model)[0]
@@ -345,6 +351,11 @@ class Node(MultiService, UsesReactor):
     def _placement(self, model: ModelConfig, device: Optional[str]) -> Any:
         """(eligible lanes, need per lane, pinned lane) for a request."""
         lanes = self.lanes_for(model)
+        missing = [lane for lane in lanes if lane not in self.scheduler.devices]
+        if missing:  # a reload named a device group this node was not started with
+            raise errors.ApiError(
+                503, f"model {model.model_id!r} runs on the device group {missing[0]}, which this node did not "
+                "have at start-up; restart the agent to use it", "server_error", "restart_required", 60)
         if device is not None and device not in lanes:
             holder = [lane for lane in lanes if device in self.groups.get(lane, [lane])]
             if not holder:

@@ -22,8 +22,9 @@ import itertools
 import os
 import shutil
 import signal
+import sys
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import attr
 from twisted.application.service import MultiService
@@ -287,7 +288,7 @@ def make_service(
         members = [by_name[n] for n in group]
         supervisors.append(factory(members[0], backend, config, binary, reactor=reactor, pidfiles=pidfiles,
                                    members=members))
-    node = Node(config, backend, devices, supervisors, reactor=reactor, facts=read_model_facts(config))
+    node = Node(config, backend, devices, supervisors, reactor=reactor, read_facts=read_model_facts)
     for model in config.models:
         problem = node.too_large(model)
         if problem is not None:
@@ -338,17 +339,14 @@ def _registration_builder(
     return build
 
 
-def read_model_facts(config: NodeConfig) -> Dict[str, Optional[GGUFFacts]]:
-    """Each model's GGUF header facts (memory-mapped, header only); None
+def read_model_facts(path: str) -> Optional[GGUFFacts]:
+    """A model file's GGUF header facts (memory-mapped, header only); None
     with a warning where the header cannot be read (the load will say why)."""
-    out: Dict[str, Optional[GGUFFacts]] = {}
-    for model in config.models:
-        try:
-            out[model.model_id] = read_facts(model.path)
-        except EstimateError as e:
-            log.warn("no memory estimate for {model}: {error}", model=model.model_id, error=str(e))
-            out[model.model_id] = None
-    return out
+    try:
+        return read_facts(path)
+    except EstimateError as e:
+        log.warn("no memory estimate: {error}", error=str(e))
+        return None
 
 
 def check_service_config(config: NodeConfig, device_names: Optional[Sequence[str]] = None) -> None:

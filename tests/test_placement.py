@@ -49,7 +49,7 @@ class Harness:
     """A node with gpu:0, gpu:1, gpu:2 (16 GiB each) and the group the models name."""
 
     def __init__(self, models: Sequence[Dict[str, Any]] = MODELS, facts: Optional[Dict[str, Any]] = None,
-                 **top: Any) -> None:
+                 read_facts: Any = None, **top: Any) -> None:
         top.setdefault("llama_server_probe_interval_s", 0.5)
         top.setdefault("llama_server_stop_timeout_s", 5.0)
         self.config = make_config(models, **top)
@@ -70,9 +70,9 @@ class Harness:
             members = [refs[n] for n in group]
             supervisors.append(supervisor(members[0], members))
         if facts is None:
-            facts = {m.model_id: FACTS for m in self.config.models}
+            facts = {m.path: FACTS for m in self.config.models}
         self.node = Node(self.config, self.backend, self.backend.refs, supervisors, reactor=self.reactor,
-                         facts=facts)
+                         facts=facts, read_facts=read_facts)
 
     def model(self, model_id: str) -> Any:
         return self.config.model(model_id)
@@ -141,6 +141,36 @@ class TooLargeTests(SynchronousTestCase):
         self.assertEqual(estimate["total_bytes"], sum(estimate[k] for k in (
             "weights_bytes", "kv_cache_bytes", "compute_bytes", "reserve_bytes")))
         self.assertEqual(estimate["kv_cache_bytes"], 32 * 2 * 8 * 128 * 4096 * 2)
+
+
+class ReloadTests(SynchronousTestCase):
+    def test_a_model_a_reload_adds_or_moves_is_read_on_first_use(self) -> None:
+        read: List[str] = []
+
+        def reader(path: str) -> Optional[GGUFFacts]:
+            read.append(path)
+            return FACTS
+
+        h = Harness(models=[{"model_id": "a", "ctx_size": 4096}], facts={}, read_facts=reader)
+        self.assertIsNone(h.node.too_large(h.model("a")))
+        self.assertEqual(read, ["/models/a.gguf"])
+        h.node.too_large(h.model("a"))
+        self.assertEqual(read, ["/models/a.gguf"], "read once per path")
+        h.node.reconfigure(make_config([{"model_id": "a", "ctx_size": 4096, "path": "/models/a2.gguf"},
+                                        {"model_id": "c", "ctx_size": 1 << 20}]))
+        h.config = h.node.config
+        self.assertEqual(h.acquire("c")[0].value.code, "model_too_large")
+        self.assertIsNone(h.node.too_large(h.model("a")))
+        self.assertEqual(read, ["/models/a.gguf", "/models/c.gguf", "/models/a2.gguf"])
+
+    def test_a_group_a_reload_names_needs_a_restart(self) -> None:
+        h = Harness(models=[{"model_id": "a"}])
+        h.node.reconfigure(make_config([{"model_id": "a"}, {"model_id": "G", "devices": ["gpu:1", "gpu:2"]}]))
+        h.config = h.node.config
+        error = h.acquire("G")[0].value
+        self.assertEqual((error.status, error.code), (503, "restart_required"))
+        self.assertIn("gpu:1+gpu:2", error.message)
+        self.assertEqual(h.reactor.processes, [])
 
 
 class FitTests(SynchronousTestCase):
