@@ -13,14 +13,17 @@ behind TLS when the config has a certificate.
 from __future__ import annotations
 
 import io
+import json
 from typing import Any, Optional
 
 from twisted.application.internet import StreamServerEndpointService, TCPServer
 from twisted.internet.endpoints import serverFromString
 from twisted.logger import Logger
-from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
+
+from rolemesh.errors import ApiError
 
 log = Logger()
 
@@ -145,9 +148,42 @@ class GuardedSite(Site):
         return channel
 
 
+def plain_http_on_tls_port() -> bytes:
+    """The whole answer to a client that spoke plain HTTP to the TLS port:
+    a 400 in OpenAI's error shape, so ``curl http://`` says what is wrong
+    instead of "empty reply"."""
+    body = json.dumps(ApiError(
+        400, "this port speaks HTTPS: use an https:// URL", code="https_required").body()).encode()
+    return (b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+class _TLSConnection(BufferingTLSTransport):
+    """A TLS server connection that answers a non-TLS first byte with
+    :func:`plain_http_on_tls_port` (every TLS connection begins with a
+    handshake record, byte 0x16) and closes."""
+
+    _first = True
+    _plain = False
+
+    def dataReceived(self, data: bytes) -> None:  # noqa: N802 - Twisted's name
+        if self._plain:
+            return  # the rest of the plain request: already answered
+        if self._first and data:
+            self._first = False
+            if data[:1] != b"\x16" and self.transport is not None:
+                self._plain = True
+                self.transport.write(plain_http_on_tls_port())
+                self.transport.loseConnection()
+                return
+        super().dataReceived(data)
+
+
 class _TLSSiteFactory(TLSMemoryBIOFactory):
     """TLS around a GuardedSite; a connection the site refuses (the cap) is
     refused here too instead of being wrapped around nothing."""
+
+    protocol = _TLSConnection
 
     def buildProtocol(self, addr: Any) -> Any:  # noqa: N802 - Twisted's name
         inner = self.wrappedFactory.buildProtocol(addr)

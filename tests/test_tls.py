@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import os
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -20,12 +21,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from OpenSSL import SSL
 from twisted.internet.address import IPv4Address
+from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IOpenSSLContextFactory, IOpenSSLServerConnectionCreator
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import capturedLogs, formatEvent
 from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.python.failure import Failure
 from twisted.test import iosim
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseNeverReceived
@@ -530,6 +533,33 @@ class ListenerTLSTests(SynchronousTestCase):
         self.assertIsNotNone(first)
         first.makeConnection(iosim.FakeTransport(first, isServer=True))
         self.assertIsNone(factory.buildProtocol(IPv4Address("TCP", "10.0.0.1", 2)))
+
+    def test_plain_http_on_the_tls_port_gets_a_clear_400(self) -> None:
+        from twisted.internet.testing import StringTransport
+
+        class TCPStringTransport(StringTransport):
+            def setTcpNoDelay(self, enabled: bool) -> None:  # noqa: N802 - Twisted's name
+                pass
+
+        reactor = MemoryReactorClock()
+        site = GuardedSite(Resource(), reactor=reactor)
+        service = listening_service(site, host="127.0.0.1", port=8443, tls=self.tls, reactor=reactor)
+        service.startService()
+        self.addCleanup(service.stopService)
+        factory = reactor.tcpServers[0][1]
+        protocol = factory.buildProtocol(IPv4Address("TCP", "10.0.0.1", 1))
+        transport = TCPStringTransport()
+        protocol.makeConnection(transport)
+        protocol.dataReceived(b"GET /v1/models HTTP/1.1\r\nHost: node\r\n")
+        protocol.dataReceived(b"\r\n")
+        head, _, body = transport.value().partition(b"\r\n\r\n")
+        self.assertTrue(head.startswith(b"HTTP/1.1 400 Bad Request\r\n"), head)
+        self.assertIn(b"Connection: close", head)
+        self.assertEqual(json.loads(body), {"error": {"message": "this port speaks HTTPS: use an https:// URL",
+                                                      "type": "invalid_request_error", "code": "https_required"}})
+        self.assertTrue(transport.disconnecting)
+        protocol.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(site.open_connections, 0)
 
     def test_endpoint_description(self) -> None:
         reactor = MemoryReactorClock()
