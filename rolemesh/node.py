@@ -526,12 +526,17 @@ class Node(MultiService, UsesReactor):
                 self._retire_if_removed(name)
 
     def _retire_if_removed(self, device: str) -> bool:
-        """Stop an idle device's child whose model left the config."""
+        """Stop an idle device's child whose model left the config, or may no
+        longer run there (a reload gave it other ``devices``)."""
         supervisor = self.supervisors[device]
         held = supervisor.loading_or_loaded
-        if held is None or any(m.model_id == held for m in self.config.models):
+        if held is None:
             return False
-        log.info("unloading {model} from {device}: removed from the configuration", model=held, device=device)
+        current = next((m for m in self.config.models if m.model_id == held), None)
+        if current is not None and device in self.lanes_for(current):
+            return False
+        why = "removed from the configuration" if current is None else "moved to other devices"
+        log.info("unloading {model} from {device}: {why}", model=held, device=device, why=why)
         self._cancel_idle_timer(device)
         supervisor.stop()
         return True

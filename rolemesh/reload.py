@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import attr
 from twisted.logger import Logger
 
+from rolemesh.backends.groups import GROUP_SEPARATOR
 from rolemesh.config import ModelConfig, NodeConfig, load_config
 from rolemesh.errors import ConfigError
 from rolemesh.llama_args import build_argv
@@ -71,8 +72,23 @@ def _restart_only(old: NodeConfig, new: NodeConfig) -> Tuple[str, ...]:
     return RESTART_KEYS + (("advertise_url",) if listen_moved else ())
 
 
+def check_groups(config: NodeConfig, groups: Sequence[str]) -> None:
+    """Raise ConfigError for a model on a device group the node has no
+    supervisor for: groups are made at start-up (pure)."""
+    for i, model in enumerate(config.models):
+        devices = getattr(model, "devices", ())
+        if len(devices) > 1 and GROUP_SEPARATOR.join(devices) not in groups:
+            raise ConfigError(
+                f"models[{i}].devices: the device group {GROUP_SEPARATOR.join(devices)} is new; device groups "
+                "are made at start-up, so this change needs a restart"
+            )
+
+
 def needs_new_child(old: ModelConfig, new: ModelConfig) -> bool:
-    """True when ``new`` gives llama-server another command line than ``old``."""
+    """True when ``new`` needs another child than ``old``: another
+    llama-server command line, or other devices."""
+    if getattr(old, "devices", ()) != getattr(new, "devices", ()):
+        return True
     return build_argv("llama-server", old, 0) != build_argv("llama-server", new, 0)
 
 
@@ -247,6 +263,7 @@ class Reloader:
             new = self._load(self.config_path, self.override_path)
             running = effective(old, new)
             self._check(running)
+            check_groups(running, list(getattr(self.node, "groups", {})))
         except ConfigError as e:
             log.error("config reload ({why}) failed, still running the previous configuration: {error}",
                       why=why, error=str(e))

@@ -41,10 +41,11 @@ class ServiceHarness:
 
         ports = itertools.count(21000)
 
-        def supervisor(device: Any, backend: Any, config: Any, binary: str, reactor: Any, pidfiles: Any) -> Any:
+        def supervisor(device: Any, backend: Any, config: Any, binary: str, reactor: Any, pidfiles: Any,
+                       **kw: Any) -> Any:
             return DeviceSupervisor(device, backend, config, binary, reactor=reactor, probe=self.probe,
                                     pick_port=lambda: next(ports), signal_group=self.signals,
-                                    environ={"PATH": "/usr/bin"}, pidfiles=pidfiles)
+                                    environ={"PATH": "/usr/bin"}, pidfiles=pidfiles, **kw)
 
         self.root: NodeAgentService = make_service(
             load_config(self.config_path, self.override_path),

@@ -371,6 +371,34 @@ class ReloadTests(ServiceTestCase):
         self.assertEqual(code, 400)
         self.assertIn('preload[0].device: "gpu:7" is not a device of this node', body["error"]["message"])
 
+    def test_a_new_device_group_needs_a_restart_and_changes_nothing(self) -> None:
+        h = self.harness(base(), devices=2)
+        h.start()
+        h.write(base(models=[{"model_id": "a", "ctx_size": 512, "devices": ["gpu:0", "gpu:1"]}]))
+        code, body = self.reload(h)
+        self.assertEqual(code, 400)
+        self.assertEqual(body["error"]["message"], "models[0].devices: the device group gpu:0+gpu:1 is new; "
+                         "device groups are made at start-up, so this change needs a restart")
+        self.assertEqual(self.model_ids(h), ["a", "b"])
+
+    def test_a_model_moved_to_other_devices_leaves_the_old_one_once_idle(self) -> None:
+        h = self.harness(base(models=[{"model_id": "a", "devices": ["gpu:0"]}]), devices=2)
+        h.start()
+        lease = self.acquire(h, "a")
+        self.assertEqual(lease.device, "gpu:0")
+        old_child = h.live_children()[0]
+        h.write(base(models=[{"model_id": "a", "devices": ["gpu:1"]}]))
+        code, body = self.reload(h)
+        self.assertEqual(code, 200, body)
+        self.assertEqual(body["models"]["restart_on_next_use"], ["a"])
+        self.assertEqual(old_child.signals, [])  # its request is still running
+        lease.release()
+        self.assertIn(signal.SIGTERM, old_child.signals)
+        old_child.exit(0)
+        moved = self.acquire(h, "a")
+        self.assertEqual(moved.device, "gpu:1")
+        moved.release()
+
     def test_nothing_changed(self) -> None:
         code, body = self.reload(self.h)
         self.assertEqual((code, body["summary"]), (200, "nothing changed"))
