@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 import yaml
 
@@ -126,22 +126,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.check:
             check_report(config, sys.stdout)
             return 0
-        return run(config, (args.config, args.config_override))
+        overrides = {"log_format": args.log_format} if args.log_format else {}
+        return run(config, (args.config, args.config_override), overrides)
     except ConfigError as e:
         sys.stderr.write(f"{PROG}: {e}\n")
         return 2
 
 
-def run(config: NodeConfig, config_paths: Tuple[Optional[str], Optional[str]] = (None, None)) -> int:
+def run(config: NodeConfig, config_paths: Tuple[Optional[str], Optional[str]] = (None, None),
+        overrides: Optional[Dict[str, Any]] = None) -> int:
     """Run the agent in the foreground until a signal stops it; SIGHUP
-    re-reads ``config_paths`` (base, override)."""
+    re-reads ``config_paths`` (base, override), with ``overrides`` (the
+    command line's) over them."""
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner
 
     from rolemesh.logs import make_observer
     from rolemesh.service import make_service
 
-    service = make_service(config, reactor=reactor, config_paths=config_paths)  # ConfigError: exit 2
+    service = make_service(config, reactor=reactor, config_paths=config_paths,  # ConfigError: exit 2
+                           reload_overrides=overrides)
     globalLogBeginner.beginLoggingTo([make_observer(config.log_format, sys.stderr)], redirectStandardIO=False)
     failed: List[BaseException] = []
 

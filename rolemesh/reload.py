@@ -26,7 +26,7 @@ reload, changed config or not.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attr
 from twisted.logger import Logger
@@ -219,6 +219,7 @@ class Reloader:
         dispatcher: Any = None,
         check: Callable[[NodeConfig], None] = lambda config: None,
         load: Callable[..., NodeConfig] = load_config,
+        overrides: Optional[Mapping[str, Any]] = None,
     ) -> None:
         self.config_path = config_path
         self.override_path = override_path
@@ -228,6 +229,8 @@ class Reloader:
         self.dispatcher = dispatcher
         self._check = check
         self._load = load
+        #: What the command line set over the files (``--log-format``).
+        self._overrides = dict(overrides or {})
         self._self_reloading: List[Tuple[str, SelfReloading]] = []
 
     # -- the hook point for things that reload themselves ------------------------
@@ -260,7 +263,7 @@ class Reloader:
             return ReloadResult(False, error)
         old: NodeConfig = self.service.config
         try:
-            new = self._load(self.config_path, self.override_path)
+            new = attr.evolve(self._load(self.config_path, self.override_path), **self._overrides)
             running = effective(old, new)
             self._check(running)
             check_groups(running, list(getattr(self.node, "groups", {})))

@@ -257,10 +257,12 @@ def make_service(
     supervisor_factory: Optional[Callable[..., DeviceSupervisor]] = None,
     config_paths: Tuple[Optional[str], Optional[str]] = (None, None),
     environ: Optional[Mapping[str, str]] = None,
+    reload_overrides: Optional[Mapping[str, Any]] = None,
 ) -> NodeAgentService:
     """Build the whole service tree; raises ConfigError for start-up problems.
 
-    ``config_paths`` (base, override) are the files a reload re-reads;
+    ``config_paths`` (base, override) are the files a reload re-reads, and
+    ``reload_overrides`` what the command line set over them (``--log-format``);
     ``environ`` is where systemd's NOTIFY_SOCKET / WATCHDOG_USEC are read.
     """
     check_service_config(config)
@@ -322,6 +324,7 @@ def make_service(
         root.dispatcher.setServiceParent(root)
     root.notifier = SystemdNotifier(root.status_line, environ=environ, reactor=reactor)
     root.reloader = Reloader(*config_paths, node=node, api=api, service=root, dispatcher=root.dispatcher,
+                             overrides=reload_overrides,
                              check=lambda new: check_service_config(new, names))
     return root
 

@@ -399,6 +399,13 @@ class ReloadTests(ServiceTestCase):
         self.assertEqual(moved.device, "gpu:1")
         moved.release()
 
+    def test_command_line_overrides_hold_over_a_reload(self) -> None:
+        assert self.h.root.reloader is not None
+        self.h.root.reloader._overrides = {"log_format": "json"}
+        self.h.root.config = self.h.api.config = attr.evolve(self.h.root.config, log_format="json")
+        code, body = self.reload(self.h)
+        self.assertEqual((code, body["needs_restart"]), (200, []))
+
     def test_nothing_changed(self) -> None:
         code, body = self.reload(self.h)
         self.assertEqual((code, body["summary"]), (200, "nothing changed"))
