@@ -13,7 +13,13 @@
 :class:`NodeAgentService` orders shutdown itself: drain (new requests get
 503 ``shutting_down``, in-flight ones finish, up to ``shutdown_grace_s``),
 stop listening, deregister, stop the children (TERM, then KILL), close
-pooled connections.
+pooled connections.  The whole sequence has a hard deadline
+(:func:`shutdown_deadline`): a child stuck in the kernel never reports its
+end, so past it the agent logs what is left and exits anyway, non-zero.
+
+The SIGTERM/SIGINT/SIGHUP handlers are installed once the reactor runs
+(``callWhenRunning``): twistd starts the service before ``reactor.run()``,
+which installs the reactor's own handlers over anything installed earlier.
 """
 
 from __future__ import annotations
@@ -50,11 +56,49 @@ from rolemesh.proxy import Proxy
 from rolemesh.reactor import UsesReactor
 from rolemesh.readiness import Readiness, decide
 from rolemesh.reload import Reloader, ReloadResult
-from rolemesh.supervisor import DeviceSupervisor
+from rolemesh.supervisor import FAILED, STOPPED, DeviceSupervisor
 from rolemesh.systemd import SystemdNotifier, status_line
 from rolemesh.tls import ServerTLS, dispatcher_tls_policy
 
 log = Logger()
+
+#: Seconds allowed past ``shutdown_grace_s + llama_server_stop_timeout_s``
+#: for the rest of the shutdown (stop listening, deregister, reap the
+#: children after SIGKILL, close connections).
+SHUTDOWN_MARGIN_S = 10.0
+#: Exit status when the shutdown deadline passes with something still stopping.
+SHUTDOWN_OVERDUE_EXIT = 1
+
+
+def shutdown_deadline(config: NodeConfig) -> float:
+    """Seconds from the first signal after which the agent exits regardless."""
+    return config.shutdown_grace_s + config.llama_server_stop_timeout_s + SHUTDOWN_MARGIN_S
+
+
+def kernel_state(pid: Optional[int]) -> str:
+    """The ``State:`` line of ``/proc/PID/status`` ("D (disk sleep)"), or
+    "unknown" where it cannot be read."""
+    if not pid:
+        return "unknown"
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _exit_now(status: int) -> None:
+    """Leave the process at once: the reactor may be waiting on a stop that
+    never ends, and a thread stuck in a driver call would block a normal exit."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(status)
 
 
 
@@ -119,6 +163,11 @@ class NodeAgentService(MultiService, UsesReactor):
         self.notifier: Optional[SystemdNotifier] = None
         #: Re-reads the config files (SIGHUP, ``POST /v1/node/reload``).
         self.reloader: Optional[Reloader] = None
+        #: What the shutdown is doing now (named when it overruns its deadline).
+        self._phase = "not stopping"
+        self._overdue: Any = None
+        #: Called with the exit status when the shutdown deadline passes.
+        self.hard_exit: Callable[[int], None] = _exit_now
 
     def startService(self) -> None:
         super().startService()
@@ -140,10 +189,20 @@ class NodeAgentService(MultiService, UsesReactor):
             )
         if self.config.dispatcher_base_url is None:
             log.info("no dispatcher_base_url: running standalone")
-        self._install_signal_handlers()
-        self._install_reload_signal()
+        # Not now: under twistd the reactor is not running yet and installs its
+        # own handlers when it starts, over ours.
+        self._when_running(self._install_signal_handlers)
+        self._when_running(self._install_reload_signal)
         if self.notifier is not None:
             self.notifier.ready()  # listening, and preloads (if any) have begun
+
+    def _when_running(self, f: Callable[[], None]) -> None:
+        """``f`` once the reactor runs (at once if it already does)."""
+        call = getattr(self.reactor, "callWhenRunning", None)
+        if call is None:
+            f()
+        else:
+            call(f)
 
     def _install_signal_handlers(self) -> None:
         """A second SIGTERM/SIGINT during the drain skips it."""
@@ -211,11 +270,35 @@ class NodeAgentService(MultiService, UsesReactor):
 
     def stopService(self) -> "defer.Deferred[None]":
         if self._stopping is None:
+            self._overdue = self.reactor.callLater(shutdown_deadline(self.config), self._shutdown_overdue)
             self._stopping = defer.ensureDeferred(self._stop_in_order())
+            self._stopping.addBoth(self._stopped_in_time)
         return self._stopping
+
+    def _stopped_in_time(self, result: Any) -> Any:
+        if self._overdue is not None and self._overdue.active():
+            self._overdue.cancel()
+        self._overdue = None
+        return result
+
+    def _shutdown_overdue(self) -> None:
+        """The hard deadline passed: say what is still running, then exit."""
+        self._overdue = None
+        left = [s for s in self.node.supervisors.values() if s.state not in (STOPPED, FAILED)]
+        log.critical(
+            "shutdown did not finish within {deadline:g} s (shutdown_grace_s + llama_server_stop_timeout_s + "
+            "{margin:g} s), stuck {phase}; exiting now with status {status}",
+            deadline=shutdown_deadline(self.config), margin=SHUTDOWN_MARGIN_S, phase=self._phase,
+            status=SHUTDOWN_OVERDUE_EXIT)
+        for supervisor in left:
+            log.critical("still running: llama-server on {device}, pid {pid}, state {state}, kernel state {kernel}",
+                         device=supervisor.name, pid=supervisor.pid, state=supervisor.state,
+                         kernel=kernel_state(supervisor.pid))
+        self.hard_exit(SHUTDOWN_OVERDUE_EXIT)
 
     async def _stop_in_order(self) -> None:
         self.running = 0
+        self._phase = "draining requests"
         if self.notifier is not None:
             self.notifier.stopping()
         # Drain while still listening, so new requests get a clear 503
@@ -230,13 +313,18 @@ class NodeAgentService(MultiService, UsesReactor):
         self._drain = defer.Deferred()
         drain.addBoth(lambda _: None if self._drain is None or self._drain.called else self._drain.callback(None))
         await self._drain
+        self._phase = "closing the listener"
         if self.listener is not None and self.listener.running:
             await defer.maybeDeferred(self.listener.stopService)
+        self._phase = "deregistering from the dispatcher"
         if self.dispatcher is not None and self.dispatcher.running:
             await defer.maybeDeferred(self.dispatcher.stopService)
+        self._phase = "stopping the llama-server children"
         if self.node.running:
             await defer.maybeDeferred(self.node.stopService)
+        self._phase = "closing connections to the children"
         await self.proxy.close()
+        self._phase = "stopped"
         for sig, previous in self._previous_handlers:
             try:
                 signal.signal(sig, previous)

@@ -45,7 +45,8 @@ def makeService(options: Options):  # noqa: N802 - twistd's name
     from rolemesh.service import make_service
 
     try:
-        return make_service(options.config)
+        # The files SIGHUP and POST /v1/node/reload re-read, as in the CLI.
+        return make_service(options.config, config_paths=(options["config"], options["config-override"]))
     except ConfigError as e:
         sys.stderr.write(f"{PROG}: {e}\n")
         raise SystemExit(2)

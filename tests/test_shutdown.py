@@ -1,0 +1,67 @@
+"""The shutdown's hard deadline: a child that never reports its end (stuck
+in the kernel, D-state) cannot keep the agent from exiting."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List
+
+from twisted.logger import capturedLogs, formatEvent
+from twisted.trial.unittest import SynchronousTestCase
+
+from rolemesh.config import validate
+from rolemesh.service import SHUTDOWN_MARGIN_S, SHUTDOWN_OVERDUE_EXIT, kernel_state, shutdown_deadline
+from tests.service_harness import ServiceHarness
+
+
+class DeadlineTests(SynchronousTestCase):
+    def test_deadline_is_grace_plus_stop_timeout_plus_margin(self) -> None:
+        config = validate({"node_id": "n", "shutdown_grace_s": 7, "llama_server_stop_timeout_s": 3, "models": []})
+        self.assertEqual(shutdown_deadline(config), 7 + 3 + SHUTDOWN_MARGIN_S)
+
+    def test_kernel_state_of_this_process_and_of_none(self) -> None:
+        self.assertTrue(kernel_state(os.getpid()).startswith(("R", "S")), kernel_state(os.getpid()))
+        self.assertEqual(kernel_state(None), "unknown")
+        self.assertEqual(kernel_state(2 ** 22 + 12345), "unknown")
+
+
+class StuckChildTests(SynchronousTestCase):
+    """The whole service tree on fakes; the child ignores SIGTERM and SIGKILL."""
+
+    def setUp(self) -> None:
+        self.h = ServiceHarness({"models": [{"model_id": "tiny", "preload": True}],
+                                 "shutdown_grace_s": 2, "llama_server_stop_timeout_s": 1})
+        self.addCleanup(self.h.cleanup)
+        self.exits: List[int] = []
+        self.h.root.hard_exit = self.exits.append
+        self.h.start()
+        self.h.answer("tiny")
+        [self.child] = self.h.live_children()
+
+    def test_a_child_that_never_ends_does_not_keep_the_agent(self) -> None:
+        done: List[Any] = []
+        deadline = shutdown_deadline(self.h.root.config)
+        with capturedLogs() as events:
+            self.h.stop().addBoth(done.append)
+            self.h.reactor.advance(deadline - 0.5)
+            self.assertEqual(self.exits, [], "not before the deadline")
+            self.assertIn(9, self.child.signals, "SIGKILL was sent")
+            self.h.reactor.advance(1)
+        self.assertEqual(self.exits, [SHUTDOWN_OVERDUE_EXIT])
+        self.assertNotEqual(SHUTDOWN_OVERDUE_EXIT, 0)
+        self.assertEqual(done, [], "the stop itself never finished")
+        text = "\n".join(formatEvent(e) for e in events)
+        self.assertIn(f"shutdown did not finish within {deadline:g} s", text)
+        self.assertIn("stuck stopping the llama-server children", text)
+        self.assertIn(f"still running: llama-server on gpu:0, pid {self.child.pid}, state stopping", text)
+        self.child.exit(0, signal=9)  # let the fakes end cleanly
+
+    def test_a_shutdown_in_time_cancels_the_deadline(self) -> None:
+        done: List[Any] = []
+        self.h.stop().addBoth(done.append)
+        self.child.exit(0)
+        self.h.reactor.advance(0)
+        self.assertEqual(done, [None])
+        self.h.reactor.advance(shutdown_deadline(self.h.root.config) + 60)
+        self.assertEqual(self.exits, [])
+        self.assertEqual(self.h.reactor.getDelayedCalls(), [])
