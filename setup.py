@@ -27,6 +27,7 @@ setup(
         "zope.interface>=6.0",
         "attrs>=23.1",
         "prometheus_client>=0.17",
+        "gguf>=0.10",  # GGUF tensor types for the memory estimate (rolemesh.estimate)
     ],
     extras_require={
         "nvidia": ["nvidia-ml-py>=12.535"],
