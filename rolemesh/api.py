@@ -25,7 +25,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from rolemesh import errors
 from rolemesh.config import NodeConfig
 from rolemesh.node import Node
-from rolemesh.proxy import CLIENT_GONE, TRUNCATED, Proxy, UpstreamUnreachable
+from rolemesh.proxy import CLIENT_GONE, STALLED, Proxy, UpstreamUnreachable
 from rolemesh.readiness import Readiness
 from rolemesh.reload import ReloadResult
 from rolemesh.supervisor import READY
@@ -391,31 +391,31 @@ class NodeAPI:
                     body=body,
                     streaming=streaming,
                     timeout=self.config.request_timeout_s,
+                    idle_timeout=self.config.stream_idle_timeout_s,
                     on_first_byte=lambda: first_byte.append(time.monotonic() - started),
                 )
                 try:
                     outcome = yield forward(base_url=lease.endpoint.base_url)
                 except UpstreamUnreachable as e:
-                    # Nothing was sent: the child died a moment ago.  Have the
-                    # supervisor notice, start a fresh one, and try once more.
-                    log.warn("llama-server on {device} unreachable ({error}); retrying on a fresh child",
+                    # Nothing was sent: the child died a moment ago.  The node
+                    # checks it (replaced if it fails) and says where to try once more.
+                    log.warn("llama-server on {device} unreachable ({error}); retrying once",
                              device=lease.device, error=str(e))
-                    yield lease.supervisor.restart_if_unhealthy(after="a refused connection")
-                    fresh = yield lease.supervisor.ensure(model)
+                    endpoint = yield self.node.retry_endpoint(lease)
                     try:
-                        outcome = yield forward(base_url=fresh.base_url)
+                        outcome = yield forward(base_url=endpoint.base_url)
                     except UpstreamUnreachable as again:
                         raise again.as_api_error() from None
+                if outcome == STALLED:
+                    yield self.node.check_child(lease, "an answer gone silent (stream_idle_timeout_s)")
             except errors.ApiError as e:
                 if e.code == "upstream_timeout":
-                    yield lease.supervisor.restart_if_unhealthy()
+                    yield self.node.check_child(lease, "an upstream timeout")
                 raise
             finally:
                 lease.release()
             status = request.code
-            if outcome == TRUNCATED:
-                request.loseConnection()
-            elif outcome == CLIENT_GONE:
+            if outcome == CLIENT_GONE:
                 status = 499
             return None
         except errors.ApiError as e:

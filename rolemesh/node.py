@@ -459,6 +459,31 @@ class Node(MultiService, UsesReactor):
         self.scheduler.finish(lease.ticket)
         self._device_quiet(lease.device)
 
+    # -- a child that failed a request ---------------------------------------------------
+
+    def check_child(self, lease: Lease, after: str) -> "Deferred[bool]":
+        """A request on ``lease``'s child failed in a way that may mean the
+        child is broken (no answer by the deadline, an answer gone silent, a
+        refused connection): probe it and replace it if it fails -- but never
+        under other requests it is still answering (they would be cut off);
+        their own deadlines judge it then.  Fires True if it was replaced."""
+        others = [t for t in self.scheduler.devices[lease.ticket.device].running  # type: ignore[index]
+                  if t is not lease.ticket]
+        if others:
+            log.info("llama-server on {device} failed a request after {after}; not probed while it answers "
+                     "{count} other request(s)", device=lease.device, after=after, count=len(others))
+            return defer.succeed(False)
+        return lease.supervisor.replace_if_unhealthy(after, generation=lease.endpoint.generation)
+
+    def retry_endpoint(self, lease: Lease) -> "Deferred[ChildEndpoint]":
+        """The child gave no answer at all (refused, or dropped before a
+        byte): once it is checked (and replaced if it fails), where to send the
+        request once more.  Inference has no side effects, so one retry is
+        safe; a request that itself crashes the child costs a second crash."""
+        model = self.config.model(lease.endpoint.model_id)
+        d = self.check_child(lease, "a refused connection")
+        return d.addCallback(lambda _: lease.supervisor.ensure(model))
+
     def _device_quiet(self, device: str) -> None:
         if self._drained and self._all_idle():
             waiting, self._drained = self._drained, []

@@ -39,6 +39,7 @@ COMPLETE = "complete"
 CLIENT_GONE = "client_gone"
 STREAM_ERROR = "stream_error"
 TRUNCATED = "truncated"
+STALLED = "stalled"
 
 #: Response headers that describe one hop, not the answer.
 HOP_HEADERS = frozenset(
@@ -107,22 +108,20 @@ def sse_error_event(message: str) -> bytes:
 class _Relay(Protocol):
     """Copies an upstream body to the downstream request as it arrives."""
 
-    def __init__(self, request: Any, finished: Deferred, on_first_byte: Optional[Callable[[], None]]) -> None:
+    def __init__(self, request: Any, finished: Deferred, on_data: Callable[[], None]) -> None:
         self._request = request
         self._finished = finished
-        self._on_first_byte = on_first_byte
+        self._on_data = on_data
 
     def connectionMade(self) -> None:
         self._request.registerProducer(self.transport, True)
 
     def dataReceived(self, data: bytes) -> None:
-        if self._on_first_byte is not None:
-            notify, self._on_first_byte = self._on_first_byte, None
-            notify()
+        self._on_data()
         self._request.write(data)
 
     def abort(self) -> None:
-        """The client went away: close the upstream connection."""
+        """Close the upstream connection (the client went away, or a deadline passed)."""
         if self.transport is not None:
             self.transport.stopProducing()  # type: ignore[attr-defined]  # a TransportProxyProducer
 
@@ -135,13 +134,183 @@ class _Relay(Protocol):
         self._finished.callback(bool(reason.check(ResponseDone, PotentialDataLoss)))
 
 
+class _Forward:
+    """One request on its way to a child and back: its deadlines and how it ended.
+
+    Two deadlines: ``timeout`` (``request_timeout_s``) bounds a non-streaming
+    answer as a whole and a stream until its headers; ``idle_timeout``
+    (``stream_idle_timeout_s``) bounds every silence once an answer has begun,
+    so a child that hangs mid-answer cannot hold its slot for ever.
+    """
+
+    def __init__(self, proxy: "Proxy", request: Any, url: bytes, body: bytes, streaming: bool,
+                 timeout: Optional[float], idle_timeout: Optional[float],
+                 on_first_byte: Optional[Callable[[], None]]) -> None:
+        self.proxy = proxy
+        self.request = request
+        self.url = url
+        self.body = body
+        self.streaming = streaming
+        self.timeout = timeout
+        self.idle_timeout = idle_timeout
+        self.on_first_byte = on_first_byte
+        self.result: Deferred = Deferred(self._cancel)
+        self.relay: Optional[_Relay] = None
+        self.event_stream = False
+        self.cancelled = False
+        #: Which deadline passed: None, "request" or "idle".
+        self.expired: Optional[str] = None
+        self._deadline: Any = None
+        self._idle: Any = None
+        self._upstream: Optional[Deferred] = None
+
+    def start(self) -> "Deferred[str]":
+        clock = self.proxy.reactor
+        if self.timeout is not None:
+            self._deadline = clock.callLater(self.timeout, self._expire, "request")
+        self._upstream = self.proxy._send(self.url, self.body, fresh=False)
+        self._upstream.addErrback(self._retry_stale)
+        self._upstream.addCallback(self._got_response).addCallbacks(self._relayed, self._failed)
+        self._upstream.addBoth(self._stop_timers)
+        self._upstream.addErrback(lambda f: log.failure("proxy bookkeeping failed", f))
+        return self.result
+
+    # -- deadlines ---------------------------------------------------------------
+
+    def _expire(self, which: str) -> None:
+        if which == "request":
+            self._deadline = None
+        else:
+            self._idle = None
+        if self.result.called:
+            return
+        self.expired = which
+        self._abort_upstream()
+
+    def _on_data(self) -> None:
+        if self.on_first_byte is not None:
+            notify, self.on_first_byte = self.on_first_byte, None
+            notify()
+        if self._idle is not None and self._idle.active():
+            self._idle.reset(self.idle_timeout)
+
+    def _stop_timers(self, passthrough: Any = None) -> Any:
+        for timer in (self._deadline, self._idle):
+            if timer is not None and timer.active():
+                timer.cancel()
+        self._deadline = self._idle = None
+        return passthrough
+
+    # -- the exchange -------------------------------------------------------------
+
+    def _cancel(self, _: Deferred) -> None:
+        self.cancelled = True
+        self._abort_upstream()
+
+    def _abort_upstream(self) -> None:
+        if self.relay is not None:
+            self.relay.abort()
+        elif self._upstream is not None:
+            self._upstream.cancel()  # also reaches a Deferred it is chained to
+
+    def _retry_stale(self, failure: Failure) -> Any:
+        if _never_sent(failure) and not self.result.called and not self.cancelled and self.expired is None:
+            # The pooled connection was stale (llama-server closes after each
+            # stream): once more on a fresh connection of its own, leaving
+            # other children's pooled connections alone.
+            log.debug("retrying on a fresh connection after {error}", error=failure.value)
+            return self.proxy._send(self.url, self.body, fresh=True)
+        return failure
+
+    def _got_response(self, response: IResponse) -> "Deferred[bool]":
+        request = self.request
+        if self.streaming and self._deadline is not None:
+            # A stream has begun: from now on only silences are bounded.
+            if self._deadline.active():
+                self._deadline.cancel()
+            self._deadline = None
+        if self.idle_timeout is not None:
+            self._idle = self.proxy.reactor.callLater(self.idle_timeout, self._expire, "idle")
+        request.setResponseCode(response.code, response.phrase)
+        for name, values in response.headers.getAllRawHeaders():
+            if name.lower() not in HOP_HEADERS:
+                request.responseHeaders.setRawHeaders(name, values)
+        self.event_stream = (response.headers.getRawHeaders(b"content-type") or [b""])[0].startswith(
+            b"text/event-stream"
+        )
+        if self.event_stream:
+            request.responseHeaders.removeHeader(b"content-length")
+            request.setHeader(b"x-accel-buffering", b"no")
+            request.setHeader(b"cache-control", b"no-cache")
+        finished: Deferred = Deferred()  # fires True (whole body) or False (cut off)
+        self.relay = _Relay(request, finished, self._on_data)
+        response.deliverBody(self.relay)
+        return finished
+
+    def _relayed(self, whole: bool) -> None:
+        if self.result.called:
+            return
+        if whole:
+            self.result.callback(COMPLETE)
+        elif self.proxy._client_gone(self.request):
+            self.result.callback(CLIENT_GONE)
+        elif self.expired == "idle":
+            silence = f"llama-server sent nothing for {self.idle_timeout:g}s (stream_idle_timeout_s)"
+            self._end_cut_answer(silence)
+            self.result.callback(STALLED)
+        elif self.event_stream and self.expired is None:
+            self._end_cut_answer("llama-server closed the stream before it ended")
+            self.result.callback(STREAM_ERROR)
+        else:
+            self._end_cut_answer(None)
+            self.result.callback(TRUNCATED)
+
+    def _end_cut_answer(self, why: Optional[str]) -> None:
+        """A stream gets an SSE error event and ``[DONE]``; a body that broke
+        off is ended by aborting the client's connection, so the client sees
+        a cut answer, never a clean end of a partial one."""
+        if self.event_stream and why is not None:
+            self.request.write(sse_error_event(why))
+        else:
+            _abort_client(self.request)
+
+    def _failed(self, failure: Failure) -> None:
+        if self.result.called:
+            return
+        if self.expired == "request":
+            what = "start its stream" if self.streaming else "answer"
+            self.result.errback(
+                errors.ApiError(504, f"llama-server did not {what} within {self.timeout:g}s (request_timeout_s)",
+                                "server_error", "upstream_timeout")
+            )
+        elif failure.check(defer.CancelledError) or self.cancelled:
+            # Agent fails a cancelled request with ResponseNeverReceived
+            # ([CancelledError]), not CancelledError: still the client's doing.
+            self.result.callback(CLIENT_GONE)
+        elif failure.check(ConnectError) or _never_sent(failure):
+            self.result.errback(UpstreamUnreachable(_describe(failure)))
+        else:
+            self.result.errback(errors.upstream_error(f"llama-server failed the request: {_describe(failure)}"))
+
+
+def _abort_client(request: Any) -> None:
+    transport = getattr(getattr(request, "channel", None), "transport", None) or getattr(request, "transport", None)
+    abort = getattr(transport, "abortConnection", None)
+    if abort is not None:
+        abort()
+    else:
+        request.loseConnection()
+
+
 class Proxy(UsesReactor):
     """Sends requests to children over a persistent pool and relays answers."""
 
-    def __init__(self, reactor: Any = None, max_per_host: int = 4, agent: Any = None) -> None:
+    def __init__(self, reactor: Any = None, max_per_host: int = 4, agent: Any = None,
+                 fresh_agent: Any = None) -> None:
         self._reactor = reactor
         self._max_per_host = max_per_host
         self._agent = agent
+        self._fresh_agent = fresh_agent if fresh_agent is not None else agent
         self._pool: Optional[HTTPConnectionPool] = None
 
     @property
@@ -153,14 +322,23 @@ class Proxy(UsesReactor):
             self._agent = quiet_agent(self.reactor, persistent=True, pool=self._pool)
         return self._agent
 
+    @property
+    def fresh_agent(self) -> Any:
+        """Requests on a connection of their own (the retry after a stale one)."""
+        if self._fresh_agent is None:
+            self._fresh_agent = quiet_agent(self.reactor, persistent=False)
+        return self._fresh_agent
+
     def close(self) -> "Deferred[None]":
         """Close pooled connections (on stop)."""
         if self._pool is None:
             return defer.succeed(None)
         return self._pool.closeCachedConnections()
 
-    def _send(self, url: bytes, body: bytes, headers: Headers) -> "Deferred[IResponse]":
-        return self.agent.request(b"POST", url, headers, BytesProducer(body))
+    def _send(self, url: bytes, body: bytes, fresh: bool) -> "Deferred[IResponse]":
+        headers = Headers({b"content-type": [b"application/json"], b"accept": [b"*/*"]})
+        agent = self.fresh_agent if fresh else self.agent
+        return agent.request(b"POST", url, headers, BytesProducer(body))
 
     def forward(
         self,
@@ -171,118 +349,21 @@ class Proxy(UsesReactor):
         streaming: bool,
         timeout: Optional[float] = None,
         on_first_byte: Optional[Callable[[], None]] = None,
+        idle_timeout: Optional[float] = None,
     ) -> "Deferred[str]":
         """Relay ``body`` to ``base_url + path`` and the answer to ``request``.
 
-        Fires with how the relay ended (``COMPLETE``, ``CLIENT_GONE``,
-        ``STREAM_ERROR`` -- an SSE error event was sent --, or ``TRUNCATED`` --
-        the answer broke off after its headers went out), and errbacks with an
-        ApiError (502/504) when nothing was sent to the client yet.
-        Cancelling it closes the upstream connection.
+        Fires with how the relay ended: ``COMPLETE``; ``CLIENT_GONE``;
+        ``STREAM_ERROR`` (the stream broke off: an SSE error event was sent);
+        ``TRUNCATED`` (a body broke off after its headers went out: the
+        client's connection was aborted); ``STALLED`` (the answer went silent
+        for ``idle_timeout``: ended as either of the previous two, and the
+        child deserves a probe).  Errbacks with an ApiError (502/504) when
+        nothing was sent to the client yet.  Cancelling it closes the
+        upstream connection.
         """
         url = (base_url + path).encode("ascii")
-        headers = Headers({b"content-type": [b"application/json"], b"accept": [b"*/*"]})
-        relay: list = []
-        state = {"timed_out": False, "cancelled": False}
-
-        def cancel(d: Deferred) -> None:
-            state["cancelled"] = True
-            if relay:
-                relay[0].abort()
-            else:
-                upstream.cancel()  # also reaches a Deferred it is chained to
-
-        result: Deferred = Deferred(cancel)
-        upstream = self._send(url, body, headers)
-
-        def retry_stale(failure: Failure) -> Any:
-            if _never_sent(failure) and not result.called and not state["cancelled"]:
-                if self._pool is not None:
-                    # Other idle connections to that child are as stale as the
-                    # one that failed: the retry must open a fresh one.
-                    self._pool.closeCachedConnections()
-                log.debug("retrying on a fresh connection after {error}", error=failure.value)
-                return self._send(url, body, headers)
-            return failure
-
-        upstream.addErrback(retry_stale)
-
-        # A non-streaming answer must be complete by the deadline; a stream
-        # must have begun by then (a hung child would otherwise hold the slot
-        # for ever), after which it may run as long as it produces.
-        timer = None
-        if timeout is not None:
-
-            def expire() -> None:
-                state["timed_out"] = True
-                cancel(result)
-
-            timer = self.reactor.callLater(timeout, expire)
-
-        def stop_timer(r: Any) -> Any:
-            if timer is not None and timer.active():
-                timer.cancel()
-            return r
-
-        def got_response(response: IResponse) -> "Deferred[Any]":
-            if streaming:
-                stop_timer(None)
-            request.setResponseCode(response.code, response.phrase)
-            for name, values in response.headers.getAllRawHeaders():
-                if name.lower() not in HOP_HEADERS:
-                    request.responseHeaders.setRawHeaders(name, values)
-            event_stream = (response.headers.getRawHeaders(b"content-type") or [b""])[0].startswith(
-                b"text/event-stream"
-            )
-            if event_stream:
-                request.responseHeaders.removeHeader(b"content-length")
-                request.setHeader(b"x-accel-buffering", b"no")
-                request.setHeader(b"cache-control", b"no-cache")
-            finished: Deferred = Deferred()  # fires True (whole body) or False (cut off)
-            protocol = _Relay(request, finished, on_first_byte)
-            relay.append(protocol)
-            response.deliverBody(protocol)
-            return finished.addCallback(lambda outcome: (outcome, event_stream))
-
-        def relayed(outcome_and_kind: Any) -> None:
-            outcome, event_stream = outcome_and_kind
-            if result.called:
-                return
-            if outcome is True:
-                result.callback(COMPLETE)
-            elif self._client_gone(request):
-                result.callback(CLIENT_GONE)
-            elif event_stream and not state["timed_out"]:
-                request.write(sse_error_event("llama-server closed the stream before it ended"))
-                result.callback(STREAM_ERROR)
-            else:
-                result.callback(TRUNCATED)
-
-        def failed(failure: Failure) -> None:
-            if result.called:
-                return
-            if state["timed_out"]:
-                result.errback(
-                    errors.ApiError(
-                        504,
-                        f"llama-server did not {'start its stream' if streaming else 'answer'} within "
-                        f"{timeout:g}s (request_timeout_s)",
-                        "server_error",
-                        "upstream_timeout",
-                    )
-                )
-            elif failure.check(defer.CancelledError) or state["cancelled"]:
-                # Agent fails a cancelled request with ResponseNeverReceived
-                # ([CancelledError]), not CancelledError: still the client's doing.
-                result.callback(CLIENT_GONE)
-            elif failure.check(ConnectError) or _never_sent(failure):
-                result.errback(UpstreamUnreachable(_describe(failure)))
-            else:
-                result.errback(errors.upstream_error(f"llama-server failed the request: {_describe(failure)}"))
-
-        upstream.addCallback(got_response).addCallbacks(relayed, failed).addBoth(stop_timer)
-        upstream.addErrback(lambda f: log.failure("proxy bookkeeping failed", f))
-        return result
+        return _Forward(self, request, url, body, streaming, timeout, idle_timeout, on_first_byte).start()
 
     @staticmethod
     def _client_gone(request: Any) -> bool:

@@ -141,9 +141,13 @@ def wrap_argv(argv: List[str], parent_pid: int, cpus: Tuple[int, ...] = ()) -> L
     return wrapper + ["--"] + list(argv)
 
 
-def http_probe(http: Any, timeout: float = 2.0) -> Callable[[str, str], "Deferred[bool]"]:
+def http_probe(http: Any, timeout: float = 2.0, clock: Any = None) -> Callable[[str, str], "Deferred[bool]"]:
     """A readiness probe: ``GET /health`` is 200 and ``GET /v1/models`` lists
-    the model under its served name.  ``http`` is a treq-like client."""
+    the model under its served name.  ``http`` is a treq-like client.
+
+    treq's ``timeout`` bounds only the wait for headers; with ``clock`` the
+    whole probe, body reads included, is bounded too (twice ``timeout``).
+    """
 
     def probe(base_url: str, served_name: str) -> "Deferred[bool]":
         client = http
@@ -165,7 +169,8 @@ def http_probe(http: Any, timeout: float = 2.0) -> Callable[[str, str], "Deferre
                 if isinstance(entry, dict)
             )
 
-        return run()
+        d = run()
+        return d if clock is None else d.addTimeout(2 * timeout, clock)
 
     return probe
 
@@ -297,7 +302,8 @@ class DeviceSupervisor(Service, UsesReactor):
         if self._probe is None:
             from rolemesh.http_client import quiet_treq
 
-            self._probe = http_probe(quiet_treq(self.reactor, persistent=False, connect_timeout=2.0))
+            self._probe = http_probe(quiet_treq(self.reactor, persistent=False, connect_timeout=2.0),
+                                     clock=self.reactor)
         return self._probe
 
     def subscribe(self, listener: Callable[["DeviceSupervisor"], None]) -> None:
@@ -409,23 +415,34 @@ class DeviceSupervisor(Service, UsesReactor):
             self._stop_child("stop requested")
         return d
 
-    def restart_if_unhealthy(self, after: str = "an upstream timeout") -> "Deferred[bool]":
-        """After a failed request: probe once; a child that fails is stopped
-        (the next ensure starts a fresh one).  Fires True if it was healthy."""
+    def replace_if_unhealthy(self, after: str = "an upstream timeout",
+                             generation: Optional[int] = None) -> "Deferred[bool]":
+        """After a failed request: probe the child once; one that fails is
+        stopped (the next ensure starts a fresh one).  Fires True if it was
+        stopped.
+
+        ``generation``: the child the request went to; if that child is
+        already gone (replaced meanwhile), nothing is probed or stopped.
+        """
         endpoint = self.endpoint
         if endpoint is None or self.model is None:
             return defer.succeed(False)
+        if generation is not None and generation != self.generation:
+            return defer.succeed(False)
         generation = self.generation
+        model_id = self.model.model_id
         d = self._probe_fn(endpoint.base_url, self.model.served_name)
 
         def judged(ok: Any) -> bool:
-            if ok is not True and self.generation == generation and self.state == READY:
-                log.warn("llama-server on {device} failed a health probe after {after}; restarting",
-                         device=self.name, after=after)
-                self.restarts += 1
-                self._stop_child(f"unhealthy after {after}")
+            if ok is True or self.generation != generation or self.state != READY:
                 return False
-            return ok is True
+            log.warn("llama-server on {device} failed a health probe after {after}; restarting",
+                     device=self.name, after=after)
+            self.restarts += 1
+            self._note_error("unhealthy", f"llama-server for {model_id!r} failed a health probe "
+                                          f"after {after} on {self.name}; restarted")
+            self._stop_child(f"unhealthy after {after}")
+            return True
 
         return d.addErrback(lambda _: False).addCallback(judged)
 

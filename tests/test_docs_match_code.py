@@ -73,7 +73,7 @@ class JsonLogTests(SynchronousTestCase):
         h.node_h.load("a")
         with capturedLogs() as events:
             answer = h.chat({"model": "a", **CHAT})
-            h.observed  # the request line is logged a moment after the answer
+            h.reactor.advance(1)  # the request line is logged a moment after the answer
         self.assertEqual(answer.code, 200, answer.body)
         lines = [json.loads(event_as_json(e)) for e in events if e.get("log_namespace") == "rolemesh.api"]
         request_lines = [line for line in lines if "status" in line]

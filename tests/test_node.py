@@ -433,6 +433,67 @@ class IdleUnloadTests(SynchronousTestCase):
         self.assertEqual([c for c in h.reactor.getDelayedCalls() if c.active()], [])
 
 
+class CheckChildTests(SynchronousTestCase):
+    """After a timeout or a silent answer the node probes the child, and
+    replaces it only when no other request is being answered by it."""
+
+    def parallel_harness(self) -> NodeHarness:
+        return NodeHarness(models=[{"model_id": "p", "server_args": {"parallel": 2}}],
+                           max_pending_requests_per_device=4)
+
+    def test_an_unhealthy_child_alone_is_replaced(self) -> None:
+        h = self.parallel_harness()
+        d = h.node.acquire(h.model("p"))
+        h.answer("p")
+        lease = self.successResultOf(d)
+        h.probe.ready.clear()  # the child stops answering its probe
+        self.assertTrue(self.successResultOf(h.node.check_child(lease, "an upstream timeout")))
+        self.assertEqual(h.sup().state, "stopping")
+        self.assertEqual(h.sup().last_error_code, "unhealthy")
+        lease.release()
+
+    def test_a_child_still_answering_others_is_not_killed_under_them(self) -> None:
+        h = self.parallel_harness()
+        first, second = h.node.acquire(h.model("p")), h.node.acquire(h.model("p"))
+        h.answer("p")
+        a, b = self.successResultOf(first), self.successResultOf(second)
+        h.probe.ready.clear()
+        probes = len(h.probe.calls)
+        self.assertFalse(self.successResultOf(h.node.check_child(a, "an upstream timeout")))
+        self.assertEqual(h.sup().state, READY, "b's answer goes on")
+        self.assertEqual(len(h.probe.calls), probes, "not even probed")
+        a.release()
+        b.release()
+
+    def test_a_child_already_replaced_is_left_alone(self) -> None:
+        h = self.parallel_harness()
+        d = h.node.acquire(h.model("p"))
+        h.answer("p")
+        lease = self.successResultOf(d)
+        h.child().exit(signal=signal.SIGKILL)  # it died; the next ensure starts another
+        h.sup().ensure(h.model("p"))
+        h.answer("p")
+        generation = h.sup().generation
+        h.probe.ready.clear()
+        self.assertFalse(self.successResultOf(h.node.check_child(lease, "an upstream timeout")))
+        self.assertEqual((h.sup().state, h.sup().generation), (READY, generation))
+        lease.release()
+
+    def test_retry_endpoint_is_a_fresh_child_after_a_refused_connection(self) -> None:
+        h = self.parallel_harness()
+        d = h.node.acquire(h.model("p"))
+        h.answer("p")
+        lease = self.successResultOf(d)
+        h.probe.ready.clear()
+        retry = h.node.retry_endpoint(lease)
+        self.assertNoResult(retry)
+        h.reap()
+        h.answer("p")
+        endpoint = self.successResultOf(retry)
+        self.assertGreater(endpoint.generation, lease.endpoint.generation)
+        lease.release()
+
+
 class QueueTimeoutTests(SynchronousTestCase):
     def test_a_request_that_waits_too_long_in_the_queue_gets_503_and_leaves_it(self) -> None:
         h = NodeHarness(queue_timeout_s=10, max_pending_requests_per_device=3)

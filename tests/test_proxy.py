@@ -28,6 +28,7 @@ from rolemesh.proxy import (
     CLIENT_GONE,
     COMPLETE,
     HOP_HEADERS,
+    STALLED,
     STREAM_ERROR,
     TRUNCATED,
     BytesProducer,
@@ -163,6 +164,13 @@ class DownstreamRequest(DummyRequest):
         self.unregistered = 0
         self._disconnected = False
         self.writes_after_gone: List[bytes] = []
+        #: Times the client's connection was aborted (a cut answer must look cut).
+        self.aborted = 0
+        self.channel = SimpleNamespace(transport=SimpleNamespace(abortConnection=self._abort))
+
+    def _abort(self) -> None:
+        self.aborted += 1
+        self._disconnected = True
 
     def registerProducer(self, producer: Any, streaming: bool) -> None:
         assert self.producer is None, "a producer is already registered"
@@ -360,6 +368,7 @@ class UpstreamFailureTests(ProxyTestCase):
         response.cut()
         self.assertEqual(self.successResultOf(d), TRUNCATED)
         self.assertEqual(self.request.body, b'{"choi', "nothing appended to a JSON answer")
+        self.assertEqual(self.request.aborted, 1, "the client's connection is aborted: a cut answer looks cut")
         self.assertEqual(len(self.agent.attempts), 1)
 
     def test_connection_refused_is_unreachable_then_502(self) -> None:
@@ -523,12 +532,15 @@ class StaleConnectionTests(ProxyTestCase):
 
     def test_stale_then_refused_is_unreachable(self) -> None:
         """No answer at all, twice: the child is gone; the caller may use a fresh one."""
+        self.fresh = FakeAgent()
+        self.proxy = Proxy(reactor=self.clock, agent=self.agent, fresh_agent=self.fresh)
         self.proxy._pool = SimpleNamespace(closeCachedConnections=lambda: self.closed.append(1))
         self.closed: List[int] = []
         d = self.forward()
         self.agent.attempts[0].fail(ResponseNeverReceived([Failure(ConnectionDone())]))
-        self.assertEqual(self.closed, [1], "the retry does not reuse another idle connection")
-        self.agent.attempts[1].fail(ConnectionRefusedError())
+        self.assertEqual(self.closed, [], "other children's pooled connections are left alone")
+        self.assertEqual(len(self.fresh.attempts), 1, "the retry goes on a connection of its own")
+        self.fresh.attempts[0].fail(ConnectionRefusedError())
         self.assertEqual(self.failureResultOf(d, UpstreamUnreachable).value.as_api_error().status, 502)
 
     def test_request_not_sent_is_retried(self) -> None:
@@ -594,3 +606,42 @@ class PieceTests(SynchronousTestCase):
 
     def test_close_without_pool(self) -> None:
         self.successResultOf(Proxy(reactor=Clock(), agent=FakeAgent()).close())
+
+
+class IdleTimeoutTests(ProxyTestCase):
+    """stream_idle_timeout_s: once an answer has begun, no silence lasts longer."""
+
+    def test_a_stream_that_goes_silent_ends_with_an_sse_error_and_frees_the_slot(self) -> None:
+        d = self.proxy.forward(self.request, BASE, "/v1/chat/completions", b"{}", True, timeout=600,
+                               idle_timeout=30)
+        response = self.agent.last.respond(self.event_stream())
+        for _ in range(5):  # chunks 20 s apart keep it alive
+            self.clock.advance(20)
+            response.send(b'data: {"choices": []}\n\n')
+        self.assertEqual(response.transport.stopped, 0)
+        self.clock.advance(30)
+        self.assertEqual(response.transport.stopped, 1, "the upstream connection is closed")
+        response.cut()  # what closing the connection does
+        self.assertEqual(self.successResultOf(d), STALLED)
+        self.assertTrue(self.request.body.endswith(
+            sse_error_event("llama-server sent nothing for 30s (stream_idle_timeout_s)")))
+        self.assertEqual(self.request.aborted, 0, "a stream ends cleanly, with [DONE]")
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_body_that_stalls_is_cut(self) -> None:
+        d = self.proxy.forward(self.request, BASE, "/v1/completions", b"{}", False, timeout=600, idle_timeout=30)
+        response = self.agent.last.respond(FakeResponse())
+        response.send(b'{"cho')
+        self.clock.advance(30)
+        self.assertEqual(response.transport.stopped, 1)
+        response.cut()
+        self.assertEqual(self.successResultOf(d), STALLED)
+        self.assertEqual(self.request.body, b'{"cho', "nothing appended to a JSON answer")
+        self.assertEqual(self.request.aborted, 1)
+
+    def test_no_idle_deadline_before_the_answer_begins(self) -> None:
+        d = self.proxy.forward(self.request, BASE, "/v1/completions", b"{}", False, timeout=600, idle_timeout=30)
+        self.clock.advance(100)  # prompt processing: bounded by request_timeout_s only
+        self.assertNoResult(d)
+        self.agent.last.respond(FakeResponse()).finish()
+        self.assertEqual(self.successResultOf(d), COMPLETE)

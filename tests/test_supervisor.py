@@ -424,21 +424,21 @@ class StateMachineTests(SynchronousTestCase):
         self.assertIn("hello", h.sup.logs)
         self.assertIn("wor", h.sup.logs)
 
-    def test_restart_if_unhealthy(self):
+    def test_replace_if_unhealthy(self):
         h = self.h
         h.sup.ensure(h.a)
         h.make_ready("a")
         h.probe.ready = set()
-        self.assertFalse(self.successResultOf(h.sup.restart_if_unhealthy()))
+        self.assertTrue(self.successResultOf(h.sup.replace_if_unhealthy()))
         self.assertEqual(h.sup.state, STOPPING)
         h.reactor.last.exit(0)
         self.assertEqual(h.sup.state, STOPPED)
 
-    def test_restart_if_unhealthy_keeps_healthy_child(self):
+    def test_replace_if_unhealthy_keeps_healthy_child(self):
         h = self.h
         h.sup.ensure(h.a)
         h.make_ready("a")
-        self.assertTrue(self.successResultOf(h.sup.restart_if_unhealthy()))
+        self.assertFalse(self.successResultOf(h.sup.replace_if_unhealthy()))
         self.assertEqual(h.sup.state, READY)
 
     def test_snapshot(self):
