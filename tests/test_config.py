@@ -1136,8 +1136,8 @@ class RedactionTests(ConfigTestCase):
             cpu_devices=2,
             preload=["a", {"model": "b", "device": "cpu:1"}],
             models=[
-                model(model_id="a", path="/m/a.gguf", idle_unload_s=None, tensor_split=[1, 2], flash_attn=True, roles=["chat"],
-                      server_args={"lora": ["x", "y"], "parallel": 2, "no-mmap": True}),
+                model(model_id="a", path="/m/a.gguf", idle_unload_s=None, tensor_split=[1, 2], flash_attn=True,
+                      roles=["chat"], server_args={"lora": ["x", "y"], "parallel": 2, "no-mmap": True}),
                 model(model_id="b", path="/m/b.gguf", idle_unload_s=30, preload=True),
                 model(model_id="c", path="/m/c.gguf"),
             ],
