@@ -407,6 +407,9 @@ class NodeAPI:
                     except UpstreamUnreachable as again:
                         raise again.as_api_error() from None
                 if outcome == STALLED:
+                    log.warn("llama-server on {device} went silent for {seconds:g}s mid-answer "
+                             "(stream_idle_timeout_s); answer ended, child probed",
+                             device=lease.device, seconds=self.config.stream_idle_timeout_s)
                     yield self.node.check_child(lease, "an answer gone silent (stream_idle_timeout_s)")
             except errors.ApiError as e:
                 if e.code == "upstream_timeout":

@@ -119,6 +119,7 @@ class Node(MultiService, UsesReactor):
         self.draining = False
         self._drained: List[Deferred] = []
         self._idle_timers: Dict[str, Any] = {}
+        self._inference_timers: Dict[str, Any] = {}
         self._metrics_interval = metrics_interval
         self._metrics_loop: Optional[LoopingCall] = None
         self._sampling = False
@@ -226,10 +227,11 @@ class Node(MultiService, UsesReactor):
         if self._metrics_loop is not None and self._metrics_loop.running:
             self._metrics_loop.stop()
         self.telemetry.stop()
-        for timer in self._idle_timers.values():
-            if timer.active():
-                timer.cancel()
-        self._idle_timers.clear()
+        for timers in (self._idle_timers, self._inference_timers):
+            for timer in timers.values():
+                if timer.active():
+                    timer.cancel()
+            timers.clear()
         return super().stopService()
 
     # -- model names --------------------------------------------------------------
@@ -431,6 +433,7 @@ class Node(MultiService, UsesReactor):
             return
         supervisor = self.supervisors[ticket.device]  # type: ignore[index]
         self._cancel_idle_timer(supervisor.name)
+        self._cancel_inference_probe(supervisor.name)
         self._emit("queue_wait", device=supervisor.name, model=request.model.model_id,
                    seconds=self.reactor.seconds() - request.queued_at)
         def load(result: Any) -> Any:
@@ -493,6 +496,40 @@ class Node(MultiService, UsesReactor):
             if self._retire_if_removed(device):
                 return
             self._arm_idle_timer(device)
+            self._arm_inference_probe(device)
+
+    # -- inference probe (opt-in per model) -----------------------------------------------
+
+    def _cancel_inference_probe(self, device: str) -> None:
+        timer = self._inference_timers.pop(device, None)
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _arm_inference_probe(self, device: str) -> None:
+        """After ``inference_probe_interval_s`` with no request, the idle
+        device's child is asked for real work (see DeviceSupervisor.check_inference)."""
+        self._cancel_inference_probe(device)
+        supervisor = self.supervisors[device]
+        model = supervisor.model
+        if model is None or model.inference_probe_interval_s is None or not self.running:
+            return
+        if supervisor.state not in (READY, STARTING):
+            return
+        self._inference_timers[device] = self.reactor.callLater(
+            model.inference_probe_interval_s, self._inference_probe, device)
+
+    def _inference_probe(self, device: str) -> None:
+        self._inference_timers.pop(device, None)
+        supervisor = self.supervisors[device]
+        if not self.scheduler.is_idle(device) or supervisor.state != READY or self.draining:
+            return
+
+        def again(_: Any) -> None:
+            if self.scheduler.is_idle(device):
+                self._arm_inference_probe(device)
+
+        d = supervisor.check_inference().addCallback(again)
+        d.addErrback(lambda f: log.failure("inference probe on {device} failed", f, device=device))
 
     # -- idle unload ------------------------------------------------------------------
 

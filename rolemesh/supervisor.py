@@ -175,6 +175,32 @@ def http_probe(http: Any, timeout: float = 2.0, clock: Any = None) -> Callable[[
     return probe
 
 
+#: Inference probes failed in a row before the child is replaced.
+INFERENCE_PROBE_FAILURES = 3
+#: Bound on one inference probe (a 1-token answer from an idle child).
+INFERENCE_PROBE_TIMEOUT_S = 30.0
+
+
+def inference_probe(http: Any, clock: Any, timeout: float = INFERENCE_PROBE_TIMEOUT_S
+                    ) -> Callable[[str, ModelConfig], "Deferred[bool]"]:
+    """A probe that asks for real work: a 1-token completion (an embedding
+    for a model served with ``embeddings``) answered 200 within ``timeout``.
+    A child can answer ``/health`` while its GPU is broken; this cannot."""
+
+    def probe(base_url: str, model: ModelConfig) -> "Deferred[bool]":
+        embeds = any(flag in ("embeddings", "embedding") and value not in (None, False)
+                     for flag, value in model.server_args)
+        if embeds:
+            path, body = "/v1/embeddings", {"model": model.served_name, "input": "ok"}
+        else:
+            path, body = "/v1/completions", {"model": model.served_name, "prompt": "ok", "max_tokens": 1}
+        d = http.post(base_url + path, json=body, timeout=timeout)
+        d.addCallback(lambda response: response.content().addCallback(lambda _: response.code == 200))
+        return d.addTimeout(timeout, clock)
+
+    return probe
+
+
 @attr.s(auto_attribs=True, frozen=True)
 class ChildEndpoint:
     """Where a ready child answers, and which child it is."""
@@ -225,6 +251,7 @@ class DeviceSupervisor(Service, UsesReactor):
         *,
         reactor: Any = None,
         probe: Optional[Callable[[str, str], "Deferred[bool]"]] = None,
+        inference: Optional[Callable[[str, ModelConfig], "Deferred[bool]"]] = None,
         pick_port: Callable[[], int] = pick_free_port,
         signal_group: Callable[[int, int], None] = os.killpg,
         pidfiles: Optional[PidFiles] = None,
@@ -243,6 +270,8 @@ class DeviceSupervisor(Service, UsesReactor):
         self._binary = binary
         self._reactor = reactor
         self._probe = probe
+        self._inference = inference
+        self._inference_failures = 0
         self._pick_port = pick_port
         self._signal_group = signal_group
         self._pidfiles = pidfiles
@@ -305,6 +334,15 @@ class DeviceSupervisor(Service, UsesReactor):
             self._probe = http_probe(quiet_treq(self.reactor, persistent=False, connect_timeout=2.0),
                                      clock=self.reactor)
         return self._probe
+
+    @property
+    def _inference_fn(self) -> Callable[[str, ModelConfig], "Deferred[bool]"]:
+        if self._inference is None:
+            from rolemesh.http_client import quiet_treq
+
+            self._inference = inference_probe(quiet_treq(self.reactor, persistent=False, connect_timeout=2.0),
+                                              self.reactor)
+        return self._inference
 
     def subscribe(self, listener: Callable[["DeviceSupervisor"], None]) -> None:
         """Call ``listener(self)`` after every state change."""
@@ -446,6 +484,36 @@ class DeviceSupervisor(Service, UsesReactor):
 
         return d.addErrback(lambda _: False).addCallback(judged)
 
+    def check_inference(self) -> "Deferred[bool]":
+        """Ask the ready child for a 1-token answer (the opt-in
+        ``inference_probe_interval_s``); after INFERENCE_PROBE_FAILURES
+        failures in a row it is replaced.  Fires True if it answered."""
+        endpoint, model = self.endpoint, self.model
+        if endpoint is None or model is None:
+            return defer.succeed(False)
+        generation = self.generation
+        d = self._inference_fn(endpoint.base_url, model)
+
+        def judged(ok: Any) -> bool:
+            if generation != self.generation or self.state != READY:
+                return False
+            if ok is True:
+                self._inference_failures = 0
+                return True
+            self._inference_failures += 1
+            log.warn("llama-server for {model} on {device} failed an inference probe ({count} of {limit} in a row)",
+                     model=model.model_id, device=self.name, count=self._inference_failures,
+                     limit=INFERENCE_PROBE_FAILURES)
+            if self._inference_failures >= INFERENCE_PROBE_FAILURES:
+                self.restarts += 1
+                self._note_error("inference_probe_failed",
+                                 f"llama-server for {model.model_id!r} answered /health but failed "
+                                 f"{INFERENCE_PROBE_FAILURES} inference probes in a row on {self.name}; restarted")
+                self._stop_child("failed its inference probes")
+            return False
+
+        return d.addErrback(lambda _: False).addCallback(judged)
+
     def startService(self) -> None:
         super().startService()
         self._closing = False
@@ -475,6 +543,7 @@ class DeviceSupervisor(Service, UsesReactor):
         if model.model_id in self._safe_mode:
             argv.append("--" + diagnosis.SAFE_FLAG)
         self._attempt.clear()
+        self._inference_failures = 0
         wrapped = self._wrap(argv, os.getpid(), cpus)
         self.logs.append(f"[rolemesh] starting {model.model_id} on {self.name}: {' '.join(argv)}")
         log.info("starting llama-server for {model} on {device} (port {port})",

@@ -494,6 +494,35 @@ class CheckChildTests(SynchronousTestCase):
         lease.release()
 
 
+class InferenceProbeTests(SynchronousTestCase):
+    def test_an_idle_child_is_probed_after_the_interval_and_again_after_that(self) -> None:
+        h = NodeHarness(models=[{"model_id": "p", "inference_probe_interval_s": 60}])
+        h.node.startService()
+        self.addCleanup(h.node.stopService)
+        calls: List[str] = []
+        h.sup()._inference = lambda base_url, model: (calls.append(model.model_id), defer.succeed(True))[1]
+        d = h.node.acquire(h.model("p"))
+        h.answer("p")
+        lease = self.successResultOf(d)
+        h.reactor.advance(120)
+        self.assertEqual(calls, [], "never while a request runs")
+        lease.release()
+        h.reactor.advance(59)
+        self.assertEqual(calls, [])
+        h.reactor.advance(1)
+        self.assertEqual(calls, ["p"])
+        h.reactor.advance(60)
+        self.assertEqual(calls, ["p", "p"])
+
+    def test_off_by_default(self) -> None:
+        h = NodeHarness()
+        h.node.startService()
+        self.addCleanup(h.node.stopService)
+        h.sup()._inference = lambda base_url, model: self.fail("probed")
+        h.load("a")
+        h.reactor.advance(3600)
+
+
 class QueueTimeoutTests(SynchronousTestCase):
     def test_a_request_that_waits_too_long_in_the_queue_gets_503_and_leaves_it(self) -> None:
         h = NodeHarness(queue_timeout_s=10, max_pending_requests_per_device=3)

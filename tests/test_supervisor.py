@@ -17,6 +17,7 @@ from rolemesh.supervisor import (
     STOPPED,
     STOPPING,
     DeviceSupervisor,
+    inference_probe,
     load_retry_delay,
     restart_delay,
     wrap_argv,
@@ -264,6 +265,42 @@ class StateMachineTests(SynchronousTestCase):
             h.reactor.last.output("still loading\n")
         failure = self.failureResultOf(d, errors.ApiError)
         self.assertIn("did not become ready within 30s", failure.value.message)
+
+    def test_inference_probe_replaces_a_child_after_three_failures_in_a_row(self):
+        h = self.h
+        answers = []
+        h.sup._inference = lambda base_url, model: defer.succeed(answers.pop(0))
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        pid = h.reactor.last.pid
+        answers[:] = [False, False, True, False, False]
+        for _ in range(5):  # a success in between resets the count
+            self.successResultOf(h.sup.check_inference())
+        self.assertEqual(h.sup.state, READY)
+        answers[:] = [False]
+        self.assertFalse(self.successResultOf(h.sup.check_inference()))
+        self.assertEqual(h.sup.state, STOPPING)
+        self.assertEqual(h.signals.calls, [(pid, signal.SIGTERM)])
+        self.assertEqual(h.sup.last_error_code, "inference_probe_failed")
+
+    def test_inference_probe_that_hangs_counts_as_a_failure(self):
+        h = self.h
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        calls = []
+
+        class HangingHttp:
+            def post(self, url, json=None, timeout=None):
+                calls.append((url, json))
+                return defer.Deferred()
+
+        h.sup._inference = inference_probe(HangingHttp(), h.reactor, timeout=30)
+        d = h.sup.check_inference()
+        self.assertNoResult(d)
+        h.reactor.advance(30)
+        self.assertFalse(self.successResultOf(d))
+        self.assertEqual(calls, [("http://127.0.0.1:20000/v1/completions",
+                                  {"model": "a", "prompt": "ok", "max_tokens": 1})])
 
     def test_switch_stops_then_starts(self):
         h = self.h
