@@ -2,9 +2,9 @@
 
 A pure function, so the mapping can be checked exhaustively: structured fields
 become the current llama-server flags, ``server_args`` follow in config order,
-the agent's own ``--model/--host/--port`` come first, and device defaults (the
-cpu backend's ``--cpu-range`` and ``--threads``) apply only where the model did
-not set the flag itself.
+the agent's own ``--model/--host/--port`` and ``--metrics`` come first, and
+device defaults (the cpu backend's ``--cpu-range`` and ``--threads``) apply
+only where the model did not set the flag itself.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ from rolemesh.config import STRUCTURED_FLAGS, ModelConfig, normalize_flag
 JOINED_LIST_FLAGS = frozenset({"tensor-split", "ts", "device", "dev", "override-tensor", "ot"})
 
 CHILD_HOST = "127.0.0.1"
+
+#: Every child serves ``/metrics`` (off by default in llama-server); ``/slots``
+#: is on by default.  The agent samples both (:mod:`rolemesh.telemetry`).
+TELEMETRY_FLAGS = ("--metrics",)
 
 
 def _number(value: Any) -> str:
@@ -96,7 +100,7 @@ def build_argv(
     ``device_defaults`` maps flag names (e.g. ``threads``, ``cpu-range``) to
     values the device backend wants unless the model sets them itself.
     """
-    argv = [binary, "--model", model.path, "--host", host, "--port", str(port)]
+    argv = [binary, "--model", model.path, "--host", host, "--port", str(port)] + list(TELEMETRY_FLAGS)
     argv += structured_args(model)
     argv += server_args(model.server_args)
     if device_defaults:

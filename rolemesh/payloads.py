@@ -22,6 +22,12 @@ CAPABILITIES = ("chat.completions", "completions", "embeddings", "streaming")
 #: Child states a heartbeat may report for a device.
 DEVICE_STATES = ("stopped", "starting", "ready", "stopping", "failed")
 
+#: The heartbeat body's version.  2 added per device ``slots_total``,
+#: ``slots_busy``, ``slots_free``, ``queue_depth``, ``tokens_per_s``,
+#: ``issues`` and ``load`` (see docs/dispatcher-protocol.md); every field of
+#: version 1 is still there with the same meaning.
+HEARTBEAT_SCHEMA_VERSION = 2
+
 
 def registration_payload(
     config: NodeConfig,
@@ -124,7 +130,8 @@ def heartbeat_payload(
         if isinstance(metrics, DeviceMetrics):
             entry["metrics"] = metrics.to_json(now)
         entries.append(entry)
-    return {"node_id": node_id, "seq": seq, "time": now, "devices": entries}
+    return {"schema_version": HEARTBEAT_SCHEMA_VERSION, "node_id": node_id, "seq": seq, "time": now,
+            "devices": entries}
 
 
 def deregistration_payload(node_id: str) -> dict[str, Any]:

@@ -31,9 +31,9 @@ def make(**fields: Any) -> ModelConfig:
 
 
 def tail(**fields: Any) -> list:
-    """The argv after the agent's own ``binary --model P --host H --port N``."""
+    """The argv after the agent's own ``binary --model P --host H --port N --metrics``."""
     argv = build_argv(BIN, make(**fields), 8081)
-    return argv[7:]
+    return argv[8:]
 
 
 def spellings(flag_names: Any) -> set:
@@ -45,7 +45,7 @@ class ExampleTests(SynchronousTestCase):
     def test_minimal_model(self) -> None:
         self.assertEqual(
             build_argv(BIN, make(), 8081),
-            [BIN, "--model", PATH, "--host", "127.0.0.1", "--port", "8081", "--alias", "coder"],
+            [BIN, "--model", PATH, "--host", "127.0.0.1", "--port", "8081", "--metrics", "--alias", "coder"],
         )
 
     def test_agent_flags_come_first(self) -> None:
@@ -178,7 +178,7 @@ class DeviceDefaultTests(SynchronousTestCase):
     DEFAULTS = {"threads": 8, "cpu-range": "0-7"}
 
     def argv(self, **fields: Any) -> list:
-        return build_argv(BIN, make(**fields), 8081, device_defaults=self.DEFAULTS)[7:]
+        return build_argv(BIN, make(**fields), 8081, device_defaults=self.DEFAULTS)[8:]
 
     def test_defaults_apply_when_the_model_is_silent(self) -> None:
         self.assertEqual(self.argv(), ["--alias", "coder", "--threads", "8", "--cpu-range", "0-7"])
@@ -212,11 +212,11 @@ class DeviceDefaultTests(SynchronousTestCase):
         )
 
     def test_default_spelled_short_still_yields_to_the_model(self) -> None:
-        argv = build_argv(BIN, make(threads=2), 1, device_defaults={"t": 8, "cpu_mask": "ff"})[7:]
+        argv = build_argv(BIN, make(threads=2), 1, device_defaults={"t": 8, "cpu_mask": "ff"})[8:]
         self.assertEqual(argv, ["--alias", "coder", "--threads", "2", "--cpu-mask", "ff"])
 
     def test_a_default_named_twice_appears_once(self) -> None:
-        argv = build_argv(BIN, make(), 1, device_defaults={"threads": 8, "t": 4, "cpu_range": None})[7:]
+        argv = build_argv(BIN, make(), 1, device_defaults={"threads": 8, "t": 4, "cpu_range": None})[8:]
         self.assertEqual(argv, ["--alias", "coder", "--threads", "8"])
 
     def test_device_defaults_never_add_a_second_alias(self) -> None:
