@@ -16,31 +16,30 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from twisted.internet.abstract import isIPAddress, isIPv6Address
-from twisted.internet.endpoints import TCP4ClientEndpoint, TCP6ClientEndpoint
-from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool, _StandardEndpointFactory
+from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint, wrapClientTLS
+from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
+from twisted.web.error import SchemeNotSupported
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
+
+from rolemesh.twisted_compat import quiet_connection_pool
 
 
 def quiet_pool(reactor: Any, persistent: bool) -> HTTPConnectionPool:
     """A connection pool whose connections do not log their life."""
-    pool = HTTPConnectionPool(reactor, persistent=persistent)
-    factory = getattr(pool, "_factory", None)
-    if isinstance(factory, type):
-        quiet: Any = type("QuietHTTP11ClientFactory", (factory,), {"noisy": False})
-        pool._factory = quiet
-    return pool
+    return quiet_connection_pool(reactor, persistent)
 
 
 @implementer(IAgentEndpointFactory)
 class LiteralAddressEndpoints:
-    """Plain TCP endpoints for ``http://<ip literal>``; the standard ones
-    (name resolution, TLS) for everything else."""
+    """Plain TCP endpoints for ``http://<ip literal>``; what ``Agent`` builds
+    itself (name resolution, TLS) for everything else, from public parts."""
 
     def __init__(self, reactor: Any, connect_timeout: Optional[float] = None) -> None:
         self._reactor = reactor
         self._timeout = connect_timeout or 30
-        self._standard = _StandardEndpointFactory(reactor, BrowserLikePolicyForHTTPS(), connect_timeout, None)
+        self._connect_timeout = connect_timeout
+        self._tls_policy = BrowserLikePolicyForHTTPS()
 
     def endpointForURI(self, uri: Any) -> Any:  # noqa: N802 - Twisted's name
         host = uri.host.decode("ascii", "replace")
@@ -49,7 +48,13 @@ class LiteralAddressEndpoints:
                 return TCP4ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
             if isIPv6Address(host):
                 return TCP6ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
-        return self._standard.endpointForURI(uri)
+        endpoint = (HostnameEndpoint(self._reactor, host, uri.port) if self._connect_timeout is None
+                    else HostnameEndpoint(self._reactor, host, uri.port, timeout=self._connect_timeout))
+        if uri.scheme == b"http":
+            return endpoint
+        if uri.scheme == b"https":
+            return wrapClientTLS(self._tls_policy.creatorForNetloc(uri.host, uri.port), endpoint)
+        raise SchemeNotSupported(f"Unsupported scheme: {uri.scheme!r}")
 
 
 def quiet_agent(reactor: Any, persistent: bool, connect_timeout: Optional[float] = None,

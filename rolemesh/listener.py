@@ -7,19 +7,22 @@ adds an absolute deadline for receiving each whole request (headers and
 body), and a cap on open client connections.  Time spent answering (a long
 stream) is not limited here.  :func:`listening_service` puts the site on
 TCP ``listen_host:listen_port`` or on any Twisted endpoint (``listen``),
-behind TLS when the config has a certificate.
+behind TLS when the config has a certificate, with only public Twisted API
+(:class:`EndpointListener`).
 """
 
 from __future__ import annotations
 
 import io
 import json
-from typing import Any, Optional
+from typing import Any, List, Optional
 
-from twisted.application.internet import StreamServerEndpointService, TCPServer
-from twisted.internet.endpoints import serverFromString
+from twisted.application.service import Service
+from twisted.internet.defer import CancelledError
+from twisted.internet.endpoints import TCP4ServerEndpoint, serverFromString
 from twisted.logger import Logger
 from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
+from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
 
@@ -67,6 +70,9 @@ class LimitedRequest(Request):
 class _GuardedChannel(HTTPChannel):
     site: "GuardedSite"
     _read_deadline: Any = None
+    #: A whole request arrived and is not answered yet (HTTPChannel keeps
+    #: the same fact in a private attribute).
+    _answering = False
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -92,11 +98,13 @@ class _GuardedChannel(HTTPChannel):
 
     def allContentReceived(self) -> None:
         self._disarm()
+        self._answering = True  # before super(): a quick answer ends it within
         super().allContentReceived()
 
     def requestDone(self, request: Any) -> None:
+        self._answering = False  # before super(): a pipelined request may begin within
         super().requestDone(request)
-        if not self._handlingRequest and getattr(self.transport, "connected", False):
+        if not self._answering and getattr(self.transport, "connected", False):
             self._arm()  # keep-alive: the next request gets its own deadline
 
     def connectionLost(self, reason: Any = None) -> None:
@@ -192,24 +200,60 @@ class _TLSSiteFactory(TLSMemoryBIOFactory):
         return self.protocol(self, inner)
 
 
-class _EndpointListener(StreamServerEndpointService):
-    """StreamServerEndpointService that fails start-up when it cannot listen
-    (like ``TCPServer``) and keeps the listening port in ``_port``."""
+class EndpointListener(Service):
+    """Listens for ``factory`` on a server endpoint while running.
 
-    _port: Any = None
+    Like ``TCPServer``, start-up fails at once (raises) when the endpoint
+    cannot listen -- a taken port is an error, not a log line -- and unlike
+    ``StreamServerEndpointService`` the listening port is public: ``port``
+    (an ``IListeningPort``; None while not listening).
+    """
 
     def __init__(self, endpoint: Any, factory: Any) -> None:
-        super().__init__(endpoint, factory)
-        self._raiseSynchronously = True
+        self.endpoint = endpoint
+        self.factory = factory
+        self.port: Any = None
+        self._pending: Any = None
+
+    @property
+    def _port(self) -> Any:
+        """The name callers used before :attr:`port` was public."""
+        return self.port
 
     def privilegedStartService(self) -> None:  # noqa: N802 - Twisted's name
         super().privilegedStartService()
-        if self._waitingForPort is not None:
-            self._waitingForPort.addCallback(self._listening)
+        self._listen()
 
-    def _listening(self, port: Any) -> Any:
-        self._port = port
-        return port
+    def startService(self) -> None:  # noqa: N802 - Twisted's name
+        super().startService()
+        if self.port is None and self._pending is None:
+            self._listen()
+
+    def _listen(self) -> None:
+        returned = False
+        failed: List[Failure] = []
+
+        def done(outcome: Any) -> None:
+            self._pending = None
+            if not isinstance(outcome, Failure):
+                self.port = outcome
+            elif not returned:
+                failed.append(outcome)  # raised below, to whoever starts the service
+            elif not outcome.check(CancelledError):
+                log.failure("cannot listen on {endpoint}", outcome, endpoint=self.endpoint)
+
+        self._pending = self.endpoint.listen(self.factory)
+        self._pending.addBoth(done)
+        returned = True
+        if failed:
+            failed[0].raiseException()
+
+    def stopService(self) -> Any:  # noqa: N802 - Twisted's name
+        super().stopService()
+        if self._pending is not None:
+            self._pending.cancel()
+        port, self.port = self.port, None
+        return port.stopListening() if port is not None else None
 
 
 def listening_service(site: Site, *, host: str, port: int, endpoint: Optional[str] = None,
@@ -222,10 +266,10 @@ def listening_service(site: Site, *, host: str, port: int, endpoint: Optional[st
     that wraps every connection in TLS, whatever the endpoint.
     """
     factory: Any = site if tls is None else _TLSSiteFactory(tls, False, site, clock=reactor)
-    if endpoint is None:
-        return TCPServer(port, factory, interface=host, reactor=reactor)
     if reactor is None:
         from twisted.internet import reactor as global_reactor
 
         reactor = global_reactor
-    return _EndpointListener(serverFromString(reactor, endpoint), factory)
+    if endpoint is None:
+        return EndpointListener(TCP4ServerEndpoint(reactor, port, interface=host), factory)
+    return EndpointListener(serverFromString(reactor, endpoint), factory)

@@ -32,6 +32,7 @@ from zope.interface import implementer
 from rolemesh import errors
 from rolemesh.http_client import quiet_agent, quiet_pool
 from rolemesh.reactor import UsesReactor
+from rolemesh.twisted_compat import client_disconnected, never_sent
 
 log = Logger()
 
@@ -94,9 +95,7 @@ class BytesProducer:
 
 def _never_sent(failure: Failure) -> bool:
     """True when the request failed before llama-server could act on it."""
-    from twisted.web._newclient import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived
-
-    return bool(failure.check(RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived))
+    return never_sent(failure)
 
 
 def sse_error_event(message: str) -> bytes:
@@ -367,7 +366,7 @@ class Proxy(UsesReactor):
 
     @staticmethod
     def _client_gone(request: Any) -> bool:
-        return bool(getattr(request, "_disconnected", False) or getattr(request, "finished", False))
+        return client_disconnected(request) or bool(getattr(request, "finished", False))
 
 
 def _describe(failure: Failure) -> str:

@@ -3,7 +3,7 @@
 ::
 
     NodeAgentService (MultiService; sequences shutdown itself)
-    +-- listener         TCPServer(Site(NodeAPI)), or the ``listen`` endpoint; TLS-wrapped with a certificate
+    +-- listener         EndpointListener(Site(NodeAPI)): TCP or the ``listen`` endpoint; TLS with a certificate
     +-- dispatcher       DispatcherClient (only with dispatcher_base_url)
     +-- node             Node (MultiService)
         +-- cpu:0        DeviceSupervisor
@@ -172,7 +172,8 @@ class NodeAgentService(MultiService, UsesReactor):
     def startService(self) -> None:
         super().startService()
         host = self.config.listen_host
-        port = getattr(getattr(self.listener, "_port", None), "getHost", lambda: None)()
+        listening = getattr(self.listener, "port", None)  # an EndpointListener's IListeningPort
+        port = listening.getHost() if listening is not None else None
         scheme = "https" if self.tls is not None else "http"
         if port is not None and hasattr(port, "port"):
             log.info("serving the OpenAI-compatible API on {scheme}://{host}:{port}",
@@ -247,7 +248,7 @@ class NodeAgentService(MultiService, UsesReactor):
         listener = self.listener
         dispatcher = self.dispatcher
         return decide(
-            listening=bool(listener is not None and listener.running and getattr(listener, "_port", None)),
+            listening=bool(listener is not None and listener.running and getattr(listener, "port", None)),
             devices=len(self.node.devices),
             preloading=self.node.preloading,
             draining=self.node.draining or self._stopping is not None,

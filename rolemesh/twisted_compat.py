@@ -1,0 +1,49 @@
+"""Every Twisted internal the agent relies on, in one place.
+
+Twisted has no public API for these facts; each wrapper says why it is
+needed.  ``tests/test_twisted_compat.py`` checks each against the installed
+Twisted, so a release that renames one fails those tests loudly instead of
+the agent quietly doing the wrong thing.  Everything else in the agent uses
+public Twisted API only (``tox -e oldest,newest`` runs the tests on both
+ends of the supported range).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.python.failure import Failure
+from twisted.web._newclient import RequestNotSent  # not in twisted.web.client.__all__
+from twisted.web.client import HTTPConnectionPool, RequestTransmissionFailed, ResponseNeverReceived
+
+#: Failures of an HTTP request that llama-server cannot have acted on: the
+#: request was not sent, or not completely, or the connection closed before
+#: any byte of an answer (the three Twisted's own retrying client checks).
+NEVER_SENT = (RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived)
+
+
+def never_sent(failure: Failure) -> bool:
+    """True when the request failed before the server could act on it."""
+    return bool(failure.check(*NEVER_SENT))
+
+
+def client_disconnected(request: Any) -> bool:
+    """True once the client of a ``twisted.web`` request has gone.
+
+    ``Request`` records a lost connection only in ``_disconnected``;
+    ``notifyFinish()`` cannot tell afterwards (a Deferred asked for after
+    the loss never fires).
+    """
+    return bool(getattr(request, "_disconnected", False))
+
+
+def quiet_connection_pool(reactor: Any, persistent: bool) -> HTTPConnectionPool:
+    """A connection pool whose connections do not log "Starting factory" /
+    "Stopping factory": the pool builds one client factory per connection
+    from its private ``_factory`` class, which logs by default."""
+    pool = HTTPConnectionPool(reactor, persistent=persistent)
+    factory = getattr(pool, "_factory", None)
+    if isinstance(factory, type):
+        quiet: Any = type("QuietHTTP11ClientFactory", (factory,), {"noisy": False})
+        pool._factory = quiet  # type: ignore[attr-defined]
+    return pool

@@ -1,0 +1,173 @@
+"""rolemesh.twisted_compat against the installed Twisted: each internal the
+agent relies on still behaves as the wrapper assumes.  A Twisted release that
+changes one fails here, loudly, naming it."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, List
+
+from twisted.internet import defer
+from twisted.internet.error import CannotListenError, ConnectionLost
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.logger import capturedLogs
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web._newclient import HTTP11ClientProtocol
+from twisted.web._newclient import Request as ClientRequest
+from twisted.web.http_headers import Headers
+from twisted.web.resource import Resource
+from twisted.web.server import Request as ServerRequest
+from twisted.web.test.requesthelper import DummyChannel
+
+import rolemesh
+from rolemesh.listener import EndpointListener, GuardedSite, listening_service
+from rolemesh.twisted_compat import NEVER_SENT, client_disconnected, never_sent, quiet_connection_pool
+
+PACKAGE = os.path.dirname(os.path.abspath(rolemesh.__file__))
+#: Private Twisted names the agent once used outside the wrapper module.
+PRIVATE = re.compile(r"\btwisted(\.\w+)*\._\w+|(?<!\w)(_handlingRequest|_disconnected|_waitingForPort"
+                     r"|_raiseSynchronously|_StandardEndpointFactory)\b|pool\._factory")
+
+
+def failure_of(d: "defer.Deferred[Any]") -> Failure:
+    out: List[Any] = []
+    d.addBoth(out.append)
+    assert out and isinstance(out[0], Failure), out
+    return out[0]
+
+
+class NeverSentTests(SynchronousTestCase):
+    """The failures HTTP11ClientProtocol reports for a request that the
+    server cannot have acted on are the ones never_sent() knows."""
+
+    def request(self) -> ClientRequest:
+        return ClientRequest(b"POST", b"/v1/chat/completions", Headers({b"host": [b"child"]}), None)
+
+    def test_a_second_request_on_a_busy_connection_is_not_sent(self) -> None:
+        protocol = HTTP11ClientProtocol()
+        protocol.makeConnection(StringTransport())
+        protocol.request(self.request())
+        failure = failure_of(protocol.request(self.request()))
+        self.assertTrue(never_sent(failure), failure)
+
+    def test_a_connection_lost_before_any_answer(self) -> None:
+        protocol = HTTP11ClientProtocol()
+        protocol.makeConnection(StringTransport())
+        d = protocol.request(self.request())
+        protocol.connectionLost(Failure(ConnectionLost()))
+        failure = failure_of(d)
+        self.assertTrue(never_sent(failure), failure)
+
+    def test_a_connection_lost_mid_answer_is_not_never_sent(self) -> None:
+        protocol = HTTP11ClientProtocol()
+        protocol.makeConnection(StringTransport())
+        d = protocol.request(self.request())
+        protocol.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        response: List[Any] = []
+        d.addBoth(response.append)
+        self.assertEqual(response[0].code, 200)
+        self.assertFalse(never_sent(Failure(ConnectionLost())))
+
+    def test_the_classes_are_exceptions(self) -> None:
+        for cls in NEVER_SENT:
+            self.assertTrue(issubclass(cls, Exception), cls)
+
+
+class ClientDisconnectedTests(SynchronousTestCase):
+    def test_a_request_whose_client_left(self) -> None:
+        request = ServerRequest(DummyChannel())
+        self.assertFalse(client_disconnected(request))
+        request.connectionLost(Failure(ConnectionLost()))
+        self.assertTrue(client_disconnected(request), "Request no longer records a lost client in _disconnected")
+
+    def test_a_finished_request_is_not_disconnected(self) -> None:
+        request = ServerRequest(DummyChannel())
+        request.finish()
+        self.assertFalse(client_disconnected(request))
+
+
+class QuietPoolTests(SynchronousTestCase):
+    def test_connections_are_built_by_a_quiet_factory(self) -> None:
+        factories: List[Any] = []
+
+        class Endpoint:
+            def connect(self, factory: Any) -> "defer.Deferred[Any]":
+                factories.append(factory)
+                return defer.Deferred()
+
+        pool = quiet_connection_pool(MemoryReactorClock(), persistent=True)
+        pool.getConnection(("http", b"127.0.0.1", 8080), Endpoint())
+        self.assertEqual(len(factories), 1, "HTTPConnectionPool no longer connects through endpoint.connect")
+        self.assertFalse(factories[0].noisy, "HTTPConnectionPool no longer builds connections from _factory")
+
+
+class PublicListenerTests(SynchronousTestCase):
+    """EndpointListener replaces TCPServer._port and StreamServerEndpointService's
+    private attributes with public API."""
+
+    def site(self, reactor: Any) -> GuardedSite:
+        return GuardedSite(Resource(), reactor=reactor)
+
+    def test_port_is_public_and_cleared_on_stop(self) -> None:
+        reactor = MemoryReactorClock()
+        service = listening_service(self.site(reactor), host="127.0.0.1", port=8080, reactor=reactor)
+        self.assertIsInstance(service, EndpointListener)
+        service.startService()
+        self.assertEqual((reactor.tcpServers[0][0], reactor.tcpServers[0][3]), (8080, "127.0.0.1"))
+        self.assertEqual(service.port.getHost().port, 8080)
+        service.stopService()
+        self.assertIsNone(service.port)
+
+    def test_privileged_start_listens_once(self) -> None:
+        reactor = MemoryReactorClock()
+        service = listening_service(self.site(reactor), host="::", port=8080, reactor=reactor)
+        service.privilegedStartService()
+        service.startService()
+        self.assertEqual(len(reactor.tcpServers), 1)
+        self.assertEqual(reactor.tcpServers[0][3], "::")
+
+    def test_a_port_that_cannot_be_had_fails_start_up(self) -> None:
+        class Taken:
+            def listen(self, factory: Any) -> "defer.Deferred[Any]":
+                return defer.fail(CannotListenError("127.0.0.1", 8080, OSError("address in use")))
+
+        service = EndpointListener(Taken(), self.site(MemoryReactorClock()))
+        self.assertRaises(CannotListenError, service.privilegedStartService)
+        self.assertIsNone(service.port)
+
+    def test_a_later_failure_is_logged_and_a_stop_cancels_a_pending_listen(self) -> None:
+        pending: List["defer.Deferred[Any]"] = []
+
+        class Slow:
+            def listen(self, factory: Any) -> "defer.Deferred[Any]":
+                pending.append(defer.Deferred())
+                return pending[-1]
+
+        service = EndpointListener(Slow(), self.site(MemoryReactorClock()))
+        service.startService()
+        service.stopService()
+        self.assertTrue(pending[0].called, "stop cancels the pending listen")
+        self.flushLoggedErrors(defer.CancelledError)
+        again = EndpointListener(Slow(), self.site(MemoryReactorClock()))
+        again.startService()
+        with capturedLogs() as events:
+            pending[1].errback(CannotListenError("127.0.0.1", 1, OSError("denied")))
+        self.assertTrue(any("cannot listen" in e.get("log_format", "") for e in events), events)
+        self.assertEqual(len(self.flushLoggedErrors(CannotListenError)), 1)
+
+
+class NoPrivateTwistedElsewhereTests(SynchronousTestCase):
+    def test_only_the_wrapper_module_names_twisted_internals(self) -> None:
+        found = []
+        for directory, _, files in os.walk(PACKAGE):
+            for name in files:
+                path = os.path.join(directory, name)
+                if not name.endswith(".py") or path == os.path.join(PACKAGE, "twisted_compat.py"):
+                    continue
+                with open(path, encoding="utf-8") as f:
+                    for number, line in enumerate(f, 1):
+                        if PRIVATE.search(line):
+                            found.append(f"{os.path.relpath(path, PACKAGE)}:{number}: {line.strip()}")
+        self.assertEqual(found, [], "use rolemesh.twisted_compat for Twisted internals")
