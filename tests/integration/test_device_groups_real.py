@@ -75,6 +75,10 @@ class RealGroupTests(SynchronousTestCase):
         self.assertEqual(int(flag_value(argv, "--threads")), len(union), argv)
         for name, device in by_name(inventory).items():
             self.assertEqual((device["group"], device["pid"]), (GROUP, None), name)
+        status, _, raw = self.agent.request("GET", f"/v1/node/devices/{GROUP}/logs?tail=1000")
+        self.assertEqual(status, 200, raw)
+        self.assertTrue(any(line.startswith(f"[rolemesh] starting pair on {GROUP}: ")
+                            for line in json.loads(raw)["lines"]), raw[:500])
 
         # A model pinned to cpu:1 takes it back: the group's child stops first.
         self.chat("solo")
