@@ -7,18 +7,19 @@ from __future__ import annotations
 import io
 import itertools
 import os
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from rolemesh import errors
-from rolemesh.backends.cpu import CpuBackend
+from rolemesh.backends.cpu import CpuBackend, cpu_mask, cpu_range
 from rolemesh.backends.cuda import CudaBackend
 from rolemesh.backends.groups import group_name, groups_of, pin_child
 from rolemesh.backends.rocm import RocmBackend
 from rolemesh.backends.sycl import SyclBackend
 from rolemesh.backends.vulkan import VulkanBackend
-from rolemesh.cli import memory_report
+from rolemesh.cli import check_report, memory_report
 from rolemesh.devices import DeviceRef
 from rolemesh.errors import ConfigError
 from rolemesh.estimate import GGUFFacts
@@ -395,3 +396,31 @@ class CheckReportTests(SynchronousTestCase):
         self.assertTrue(lines[5].startswith("# WARNING: wide: needs an estimated 18.00 GiB"), lines[5])
         self.assertIn("cpu:0+cpu:1, has 16.00 GiB in total", lines[5])
         self.assertTrue(lines[6].startswith("gone: no estimate ("), lines[6])
+
+
+class CheckCommandTests(SynchronousTestCase):
+    """``--check`` on this host's cpu backend split in two, with a group model."""
+
+    def test_group_command_line_and_estimates(self) -> None:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if len(cores) < 2:
+            raise SkipTest("cpu_devices: 2 needs two usable cores")
+        directory = self.mktemp()
+        os.makedirs(directory)
+        path = write_tiny_gguf(os.path.join(directory, "t.gguf"))
+        config = make_config([{"model_id": "pair", "path": path, "devices": ["cpu:0", "cpu:1"]},
+                              {"model_id": "huge", "path": path, "ctx_size": 1 << 40}],
+                             backend="cpu", cpu_devices=2, llama_server_bin=sys.executable)
+        out = io.StringIO()
+        check_report(config, out)
+        text = out.getvalue()
+        line = [x for x in text.splitlines() if x.startswith("pair @ ")]
+        self.assertEqual(len(line), 1, text)
+        self.assertTrue(line[0].startswith("pair @ cpu:0+cpu:1: "), line[0])
+        rng = cpu_range(cores)
+        pin = f"--cpu-range {rng}" if rng else f"--cpu-mask {cpu_mask(cores)}"
+        self.assertIn(f"{pin} --threads {len(cores)}", line[0])
+        self.assertEqual(len([x for x in text.splitlines() if x.startswith("huge @ cpu:")]), 2)
+        self.assertIn("pair: 1.3 MiB", text)
+        self.assertIn("fits on cpu:0+cpu:1", text)
+        self.assertIn("# WARNING: huge: needs an estimated", text)
