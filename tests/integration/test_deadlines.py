@@ -12,7 +12,7 @@ import os
 import signal
 import time
 
-from tests.fixtures.llama import read_sse
+from tests.fixtures.llama import http_request, read_sse
 from tests.integration.harness import pid_alive, wait_until
 from tests.integration.test_faults import MESSAGES, FaultTestCase
 
@@ -83,4 +83,43 @@ class QueueDeadlineTests(FaultTestCase):
         self.assertEqual(status, 200)
         self.assertEqual(self.device(agent)["queued"], 0)
         self.assert_chat_ok(agent)
+        self.stop_and_assert_no_orphans(agent)
+
+
+class BackpressureTests(FaultTestCase):
+    """A client that stops reading pauses llama-server's socket through the
+    agent (real sockets end to end): the child stops being able to write,
+    and the agent does not buffer the answer in memory."""
+
+    def test_a_slow_client_pauses_the_upstream(self) -> None:
+        agent = self.start_agent(self.fake_config(), env={"FAKE_LLAMA": "event_bytes=65536"})
+        self.assert_chat_ok(agent)
+        port = self.device(agent)["port"]
+
+        def sent() -> int:
+            status, _, body = http_request("GET", f"http://127.0.0.1:{port}/fake/info", timeout=10)
+            return json.loads(body)["stream_bytes_sent"]
+
+        before = sent()
+        total = 1000 * 65536  # 64 MiB of events, far more than the socket buffers hold
+        conn = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions",
+                     json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": 1000, "stream": True}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        self.assertTrue(response.readline().startswith(b"data: "))
+        # The client reads nothing more: the child's writes must stall.
+        readings = [sent()]
+
+        def plateau() -> bool:
+            readings.append(sent())
+            return len(readings) > 3 and readings[-1] == readings[-4]
+
+        wait_until(plateau, 30, interval=0.3, what="the child's writes stalled")
+        stalled_at = readings[-1] - before
+        self.assertLess(stalled_at, total // 4, f"the child wrote {stalled_at} bytes into a client that reads nothing")
+        events = read_sse(response.read())  # now read it all: it resumes and completes
+        conn.close()
+        self.assertEqual(events[-1], "[DONE]")
+        self.assertGreaterEqual(sent() - before, total)
         self.stop_and_assert_no_orphans(agent)
