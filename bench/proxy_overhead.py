@@ -18,6 +18,12 @@ then measures, interleaved round by round with one client implementation
     (and the floor, for reference); the tiny model is written with a 2048-token context so
     the answer is not cut at the default 256
 (d) the agent's RSS (``VmRSS``) while 8 clients hammer it concurrently
+(e) agent p50 (1-token completion) and first SSE byte with llama-server
+    telemetry sampling on and off: two more agents, each with its own child,
+    measured interleaved; "on" samples /metrics and /slots every
+    ``--telemetry-interval`` s (default 0.25: 20x the real 5 s, so a cost would
+    show), "off" never does (the bench patches the sampler out; the agent has
+    no switch for it)
 
 and prints the ratios with PASS/MISS against the targets of the request-path
 issue. Every process it starts is stopped on exit, Ctrl-C included.
@@ -342,6 +348,80 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+#: Runs rolemesh.cli with the metrics interval set, and telemetry sampling off
+#: if asked: ``python -c TELEMETRY_AGENT on|off INTERVAL --config ...``.
+TELEMETRY_AGENT = """
+import sys
+from twisted.internet import defer
+import rolemesh.node as node
+import rolemesh.telemetry as telemetry
+mode, interval = sys.argv[1], float(sys.argv[2])
+init = node.Node.__init__
+def patched(self, *a, **kw):
+    kw["metrics_interval"] = interval
+    init(self, *a, **kw)
+node.Node.__init__ = patched
+if mode == "off":
+    telemetry.TelemetrySampler.sample = lambda self: defer.succeed(None)
+from rolemesh.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def telemetry_on_off(args: argparse.Namespace, procs: Processes, workdir: str, binary: str, model: str,
+                     path: str) -> bool:
+    """(e): agent p50 and first byte with telemetry sampling on and off."""
+    clients: Dict[str, Client] = {}
+    sampled = {}
+    for mode in ("on", "off"):
+        port = free_port()
+        config_path = os.path.join(workdir, f"agent-telemetry-{mode}.yaml")
+        with open(config_path, "w", encoding="utf-8") as f:
+            json.dump({
+                "node_id": f"bench-{mode}", "listen_host": "127.0.0.1", "listen_port": port, "backend": "cpu",
+                "llama_server_bin": binary, "state_dir": os.path.join(workdir, f"state-{mode}"),
+                "max_pending_requests_per_device": PENDING_LIMIT, "llama_server_probe_interval_s": 0.05,
+                "shutdown_grace_s": 1, "log_format": args.agent_log_format,
+                "models": [{"model_id": MODEL_ID, "path": model, "preload": True,
+                            **({"threads": args.llama_threads} if args.llama_threads else {})}],
+            }, f, indent=1)
+        log_path = os.path.join(workdir, f"agent-telemetry-{mode}.log")
+        proc = procs.start([sys.executable, "-c", TELEMETRY_AGENT, mode, str(args.telemetry_interval),
+                            "--config", config_path], log_path)
+        wait_http(port, "/health", proc, log_path)
+        client = Client(port)
+        status, _, _, data = client.post(path, chat_body(1, False))
+        if status != 200:
+            raise RuntimeError(f"warm-up through the {mode} agent failed: HTTP {status}\n{tail(log_path)}")
+        status, data = client.get("/v1/node/inventory")
+        procs.extra_pids.append(json.loads(data)["devices"][0]["pid"])
+        clients[mode] = client
+    interleaved(clients, 20, path, chat_body(1, False), False, False)
+    lat = interleaved(clients, args.telemetry_rounds, path, chat_body(1, False), False, False)
+    ttfb = interleaved(clients, args.telemetry_rounds, path, chat_body(4, True), True, True)
+    for mode, client in clients.items():
+        status, data = client.get("/v1/node/inventory")
+        sampled[mode] = json.loads(data)["devices"][0].get("slots")
+    print(f"(e) telemetry sampling on (every {args.telemetry_interval:g}s) vs off, "
+          f"{args.telemetry_rounds} rounds interleaved")
+    print("    agent         1-token p50 ms   p90 ms   first-byte p50 ms   p90 ms")
+    for mode in ("on", "off"):
+        print(f"    sampling {mode:<4} {ms(pct(lat[mode], .5))}  {ms(pct(lat[mode], .9))}   "
+              f"{ms(pct(ttfb[mode], .5))}  {ms(pct(ttfb[mode], .9))}")
+    d_lat = pct(lat["on"], .5) - pct(lat["off"], .5)
+    d_fb = pct(ttfb["on"], .5) - pct(ttfb["off"], .5)
+    # "Within noise": the p50 difference is inside the spread between p50 and p90 of the off agent.
+    noise_lat = pct(lat["off"], .9) - pct(lat["off"], .5)
+    noise_fb = pct(ttfb["off"], .9) - pct(ttfb["off"], .5)
+    ok = d_lat <= noise_lat and d_fb <= noise_fb and sampled["on"] is not None and sampled["off"] is None
+    print(f"    on - off (p50): 1-token {d_lat * 1000:+.3f} ms (noise p90-p50 {noise_lat * 1000:.3f} ms), "
+          f"first byte {d_fb * 1000:+.3f} ms (noise {noise_fb * 1000:.3f} ms); "
+          f"sampler ran: on {sampled['on'] is not None}, off {sampled['off'] is not None}   {verdict(ok)}\n")
+    for client in clients.values():
+        client.close()
+    return ok
+
+
 def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
     from tests.fixtures.llama import llama_server_binary
     from tests.fixtures.tiny_gguf import write_tiny_gguf
@@ -489,7 +569,13 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
     if retries:
         print(f"    (stale kept-alive connections retried by the client: {retries})")
 
-    print(f"\nsummary: (a) {verdict(ok_a)}  (b) {verdict(ok_b)}  (c) {verdict(ok_c)}  (d) {verdict(ok_d)}")
+    ok_e = None
+    if args.telemetry_rounds > 0:
+        print()
+        ok_e = telemetry_on_off(args, procs, workdir, binary, model, path)
+
+    print(f"\nsummary: (a) {verdict(ok_a)}  (b) {verdict(ok_b)}  (c) {verdict(ok_c)}  (d) {verdict(ok_d)}"
+          + ("" if ok_e is None else f"  (e) {verdict(ok_e)}"))
     for c in targets.values():
         c.close()
     return 0
@@ -509,6 +595,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="the model's `threads` (llama-server --threads); default: llama-server's own")
     parser.add_argument("--load-clients", type=int, default=8, help="(d) concurrent clients (default 8)")
     parser.add_argument("--load-seconds", type=float, default=5.0, help="(d) seconds of load (default 5)")
+    parser.add_argument("--telemetry-rounds", type=int, default=200,
+                        help="(e) rounds per path with telemetry sampling on and off (default 200; 0 skips)")
+    parser.add_argument("--telemetry-interval", type=float, default=0.25,
+                        help="(e) seconds between telemetry samples of the 'on' agent (default 0.25)")
     parser.add_argument("--agent-log-format", choices=("text", "json"), default="text")
     parser.add_argument("--profile-agent", metavar="FILE", help="run the agent under cProfile, stats to FILE")
     parser.add_argument("--agent-module", default="rolemesh.cli", metavar="MODULE",
