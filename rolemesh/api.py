@@ -401,9 +401,9 @@ class NodeAPI:
                     # checks it (replaced if it fails) and says where to try once more.
                     log.warn("llama-server on {device} unreachable ({error}); retrying once",
                              device=lease.device, error=str(e))
-                    endpoint = yield self.node.retry_endpoint(lease)
+                    fresh = yield self.node.retry_endpoint(lease)
                     try:
-                        outcome = yield forward(base_url=endpoint.base_url)
+                        outcome = yield forward(base_url=fresh.base_url)
                     except UpstreamUnreachable as again:
                         raise again.as_api_error() from None
                 if outcome == STALLED:

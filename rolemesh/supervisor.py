@@ -190,10 +190,13 @@ def inference_probe(http: Any, clock: Any, timeout: float = INFERENCE_PROBE_TIME
     def probe(base_url: str, model: ModelConfig) -> "Deferred[bool]":
         embeds = any(flag in ("embeddings", "embedding") and value not in (None, False)
                      for flag, value in model.server_args)
+        body: Dict[str, Any] = {"model": model.served_name}
         if embeds:
-            path, body = "/v1/embeddings", {"model": model.served_name, "input": "ok"}
+            path = "/v1/embeddings"
+            body["input"] = "ok"
         else:
-            path, body = "/v1/completions", {"model": model.served_name, "prompt": "ok", "max_tokens": 1}
+            path = "/v1/completions"
+            body.update(prompt="ok", max_tokens=1)
         d = http.post(base_url + path, json=body, timeout=timeout)
         d.addCallback(lambda response: response.content().addCallback(lambda _: response.code == 200))
         return d.addTimeout(timeout, clock)
