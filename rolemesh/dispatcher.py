@@ -358,7 +358,16 @@ class DispatcherClient(Service):
             self.log.failure("dispatcher client step failed unexpectedly", failure)
             self._schedule(self.slow_retry)
 
-        d.addCallbacks(done, failed)
+        def broken(failure: Failure) -> None:
+            # An error in done() itself (addCallbacks does not hand it to
+            # failed()): say so, and keep the loop going.
+            self._inflight = None
+            self.log.failure("dispatcher client loop failed; retrying in {delay:g}s", failure,
+                             delay=self.slow_retry)
+            if self._call is None or not self._call.active():
+                self._schedule(self.slow_retry)
+
+        d.addCallbacks(done, failed).addErrback(broken)
 
     async def _step(self) -> float:
         if self._registered:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -36,6 +35,7 @@ import attr
 from twisted.application.service import MultiService
 from twisted.internet import defer
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from rolemesh import __version__, llama_build
 from rolemesh.api import NodeAPI
@@ -285,17 +285,28 @@ class NodeAgentService(MultiService, UsesReactor):
     def _shutdown_overdue(self) -> None:
         """The hard deadline passed: say what is still running, then exit."""
         self._overdue = None
-        left = [s for s in self.node.supervisors.values() if s.state not in (STOPPED, FAILED)]
-        log.critical(
-            "shutdown did not finish within {deadline:g} s (shutdown_grace_s + llama_server_stop_timeout_s + "
-            "{margin:g} s), stuck {phase}; exiting now with status {status}",
-            deadline=shutdown_deadline(self.config), margin=SHUTDOWN_MARGIN_S, phase=self._phase,
-            status=SHUTDOWN_OVERDUE_EXIT)
-        for supervisor in left:
-            log.critical("still running: llama-server on {device}, pid {pid}, state {state}, kernel state {kernel}",
-                         device=supervisor.name, pid=supervisor.pid, state=supervisor.state,
-                         kernel=kernel_state(supervisor.pid))
-        self.hard_exit(SHUTDOWN_OVERDUE_EXIT)
+        try:
+            left = [s for s in self.node.supervisors.values() if s.state not in (STOPPED, FAILED)]
+            log.critical(
+                "shutdown did not finish within {deadline:g} s (shutdown_grace_s + llama_server_stop_timeout_s + "
+                "{margin:g} s), stuck {phase}; exiting now with status {status}",
+                deadline=shutdown_deadline(self.config), margin=SHUTDOWN_MARGIN_S, phase=self._phase,
+                status=SHUTDOWN_OVERDUE_EXIT)
+            for supervisor in left:
+                log.critical("still running: llama-server on {device}, pid {pid}, state {state}, "
+                             "kernel state {kernel}", device=supervisor.name, pid=supervisor.pid,
+                             state=supervisor.state, kernel=kernel_state(supervisor.pid))
+        finally:  # whatever the report did, the agent exits
+            self.hard_exit(SHUTDOWN_OVERDUE_EXIT)
+
+    async def _stop_step(self, phase: str, stop: Callable[[], Any]) -> None:
+        """One step of the shutdown; a failure is logged and the next step
+        still runs (a failed deregistration must not leave the children up)."""
+        self._phase = phase
+        try:
+            await defer.maybeDeferred(stop)
+        except Exception:
+            log.failure("shutdown: {phase} failed; going on", phase=phase)
 
     async def _stop_in_order(self) -> None:
         self.running = 0
@@ -312,19 +323,22 @@ class NodeAgentService(MultiService, UsesReactor):
         else:
             log.info("shutting down: no request in flight")
         self._drain = defer.Deferred()
-        drain.addBoth(lambda _: None if self._drain is None or self._drain.called else self._drain.callback(None))
+
+        def drained(result: Any) -> None:
+            if isinstance(result, Failure):
+                log.failure("shutdown: the drain failed; stopping anyway", result)
+            if self._drain is not None and not self._drain.called:
+                self._drain.callback(None)
+
+        drain.addBoth(drained)
         await self._drain
-        self._phase = "closing the listener"
         if self.listener is not None and self.listener.running:
-            await defer.maybeDeferred(self.listener.stopService)
-        self._phase = "deregistering from the dispatcher"
+            await self._stop_step("closing the listener", self.listener.stopService)
         if self.dispatcher is not None and self.dispatcher.running:
-            await defer.maybeDeferred(self.dispatcher.stopService)
-        self._phase = "stopping the llama-server children"
+            await self._stop_step("deregistering from the dispatcher", self.dispatcher.stopService)
         if self.node.running:
-            await defer.maybeDeferred(self.node.stopService)
-        self._phase = "closing connections to the children"
-        await self.proxy.close()
+            await self._stop_step("stopping the llama-server children", self.node.stopService)
+        await self._stop_step("closing connections to the children", self.proxy.close)
         self._phase = "stopped"
         for sig, previous in self._previous_handlers:
             try:
