@@ -65,3 +65,30 @@ class StuckChildTests(SynchronousTestCase):
         self.h.reactor.advance(shutdown_deadline(self.h.root.config) + 60)
         self.assertEqual(self.exits, [])
         self.assertEqual(self.h.reactor.getDelayedCalls(), [])
+
+
+class OperationsDocTests(SynchronousTestCase):
+    """docs/operations.md quotes the lines an operator sees, with the defaults."""
+
+    def test_the_doc_quotes_the_log_lines(self) -> None:
+        import re
+
+        h = ServiceHarness({"models": [{"model_id": "tiny", "preload": True}]})
+        self.addCleanup(h.cleanup)
+        h.root.hard_exit = lambda status: None
+        h.start()
+        h.answer("tiny")
+        [child] = h.live_children()
+        with capturedLogs() as events:
+            h.stop()
+            h.reactor.advance(shutdown_deadline(h.root.config))
+        child.exit(0, signal=9)
+        lines = [formatEvent(e) for e in events if e.get("log_level").name == "critical"]
+        doc_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "operations.md")
+        with open(doc_path, encoding="utf-8") as f:
+            doc = f.read()
+        self.assertIn(f"`{lines[0]}`", doc)
+        shape = re.sub(r"gpu:0|\d+|stopping|unknown|[RSDZT] \([a-z ]+\)", ".", lines[1])
+        quoted = re.search(r"`(still running: [^`]+)`", doc)
+        assert quoted is not None
+        self.assertEqual(re.sub(r"cuda:0|\d+|stopping|unknown|[RSDZT] \([a-z ]+\)", ".", quoted.group(1)), shape)
