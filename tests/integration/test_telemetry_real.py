@@ -79,8 +79,8 @@ class TelemetryRealTests(SynchronousTestCase):
         os.makedirs(self.dir)
         # Bigger than the default tiny model and with a long context, so a
         # stream lasts seconds, not milliseconds.
-        self.model = write_tiny_gguf(os.path.join(self.dir, "p.gguf"), seed=3, n_embd=256, n_layer=4, n_head=4,
-                                     n_ff=512, n_ctx=8192, name="p")
+        self.model = write_tiny_gguf(os.path.join(self.dir, "p.gguf"), seed=3, n_embd=512, n_layer=4, n_head=8,
+                                     n_ff=1024, n_ctx=8192, name="p")
         self.fake = FakeDispatcherProcess(free_port(), log_path=os.path.join(self.dir, "dispatcher.log"))
         self.addCleanup(self.fake.stop)
         self.agent = AgentProcess(self.dir, {
