@@ -34,6 +34,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 import attr
 from twisted.application.service import MultiService
 from twisted.internet import defer
+from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -168,6 +169,15 @@ class NodeAgentService(MultiService, UsesReactor):
         self._overdue: Any = None
         #: Called with the exit status when the shutdown deadline passes.
         self.hard_exit: Callable[[int], None] = _exit_now
+
+    def privilegedStartService(self) -> None:  # noqa: N802 - Twisted's name
+        """twistd's first call, where the port is bound: a port that cannot be
+        had is one line and exit status 1, as with the CLI, not a traceback."""
+        try:
+            super().privilegedStartService()
+        except CannotListenError as e:
+            sys.stderr.write(f"rolemesh-node-agent: cannot start: {e}\n")
+            raise SystemExit(1) from None
 
     def startService(self) -> None:
         super().startService()

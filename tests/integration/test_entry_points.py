@@ -160,3 +160,19 @@ class BadConfigTests(SynchronousTestCase):
     def test_rejected_when_the_service_is_built(self) -> None:
         for command in (console_script, twistd):
             self.check(command, {"listen_host": "0.0.0.0", "require_auth_off_loopback": True}, "listen_host")
+
+    def test_a_port_that_is_taken(self) -> None:
+        import socket
+
+        holder = socket.socket()
+        self.addCleanup(holder.close)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        for command in (console_script, twistd):
+            done = self.run_with(command, {"listen_port": port})
+            output = done.stdout + done.stderr
+            self.assertEqual(done.returncode, 1, output)
+            self.assertNotIn("Traceback", output)
+            self.assertEqual(output.count(f"rolemesh-node-agent: cannot start: Couldn't listen on 127.0.0.1:{port}"),
+                             1, output)
