@@ -647,6 +647,14 @@ class Node(MultiService, UsesReactor):
             "load": self.load_progress(supervisor.name),
         }
 
+    def _telemetry_blocks(self, name: str) -> Dict[str, Any]:
+        """The inventory's ``slots`` and ``throughput`` blocks of a device or group."""
+        telemetry = self.telemetry.latest(name)
+        return {
+            "slots": telemetry.slots_json() if telemetry is not None else None,
+            "throughput": telemetry.throughput_json() if telemetry is not None else None,
+        }
+
     def load_progress(self, device: str) -> Optional[Dict[str, Any]]:
         """How far the device's child has got loading (None unless it is
         starting), from the child's own output lines."""
@@ -739,9 +747,7 @@ class Node(MultiService, UsesReactor):
             entry["last_error"] = supervisor.last_error
             entry["last_error_code"] = supervisor.last_error_code
             entry["warnings"] = supervisor.warnings
-            telemetry = self.telemetry.latest(device.name)
-            entry["slots"] = telemetry.slots_json() if telemetry is not None else None
-            entry["throughput"] = telemetry.throughput_json() if telemetry is not None else None
+            entry.update(self._telemetry_blocks(device.name))
             devices.append(entry)
         warnings = [w for s in self.supervisors.values() for w in s.warnings]
         if self.config.exposed_without_key:
@@ -776,6 +782,8 @@ class Node(MultiService, UsesReactor):
                 "queued": len(book.queue), "pending_limit": self.scheduler.pending_limit,
                 "restarts": snap["restarts"], "last_error": supervisor.last_error,
                 "memory_total_bytes": self.capacity(group),
+                **self._telemetry_state(supervisor, len(book.queue), None),
+                **self._telemetry_blocks(group),
             })
         return out
 

@@ -431,6 +431,24 @@ class ReportingTests(SynchronousTestCase):
         self.assertIsNone(h.node.device_states()[0]["load"])
 
 
+class GroupTests(SynchronousTestCase):
+    def test_a_device_group_child_reports_in_the_groups_inventory(self) -> None:
+        from tests.test_placement import Harness as PlacementHarness  # noqa: PLC0415
+
+        h = PlacementHarness()
+        child = FakeChild()
+        stub = StubTreq(child)
+        h.node.telemetry = TelemetrySampler(h.node.supervisors, reactor=h.reactor, get=stub.get)
+        lease = h.lease("G")
+        self.assertEqual(lease.device, "gpu:0+gpu:1")
+        child.slots = child_slots(busy=1, total=2)
+        h.node.telemetry.sample()
+        stub.flush()
+        (group,) = h.node.inventory()["groups"]
+        self.assertEqual((group["slots_total"], group["slots_busy"], group["slots"]["busy"]), (2, 1, 1))
+        self.assertEqual(group["issues"], [])
+
+
 class ModelsRouteTests(SynchronousTestCase):
     def test_v1_models_says_how_far_a_load_has_got(self) -> None:
         from tests.test_api import ApiHarness  # noqa: PLC0415 - heavy; only this test needs it
