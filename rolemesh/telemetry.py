@@ -491,11 +491,15 @@ class TelemetrySampler(UsesReactor):
         self._in_flight.pop(name, None)
 
     @defer.inlineCallbacks
-    def _fetch(self, url: str) -> Any:
+    def _fetch(self, url: str, optional: bool = False) -> Any:
+        """The body, or None when ``optional`` and the child has the endpoint
+        off (llama-server answers 501 "not supported"; 404 on other builds)."""
         # No treq ``timeout=`` (it would use the global reactor): the caller's
         # timer cancels the whole sample.
         response = yield self.get(url)
         body = yield response.content()
+        if optional and response.code in (404, 501):
+            return None
         if response.code != 200:
             raise ValueError(f"{url.rsplit('/', 1)[-1]} answered HTTP {response.code}")
         if len(body) > MAX_BODY_BYTES:
@@ -504,17 +508,20 @@ class TelemetrySampler(UsesReactor):
 
     def _sample_one(self, device: str, model: str, base_url: str, generation: int) -> "Deferred[None]":
         work = defer.gatherResults(
-            [self._fetch(base_url + "/metrics"), self._fetch(base_url + "/slots")], consumeErrors=True
+            [self._fetch(base_url + "/metrics"), self._fetch(base_url + "/slots", optional=True)],
+            consumeErrors=True,
         )
         timer = self.reactor.callLater(self.timeout, work.cancel)
 
-        def got(bodies: List[bytes]) -> None:
-            families = parse_prometheus(bodies[0].decode("utf-8", "replace"))
-            try:
-                decoded = json.loads(bodies[1].decode("utf-8", "replace"))
-            except ValueError:
-                raise ValueError("/slots did not answer JSON") from None
-            slots = parse_slots(decoded)
+        def got(bodies: List[Optional[bytes]]) -> None:
+            families = parse_prometheus((bodies[0] or b"").decode("utf-8", "replace"))
+            slots: Optional[Tuple[SlotState, ...]] = None
+            if bodies[1] is not None:  # None: /slots is off (server_args no-slots); /metrics alone
+                try:
+                    decoded = json.loads(bodies[1].decode("utf-8", "replace"))
+                except ValueError:
+                    raise ValueError("/slots did not answer JSON") from None
+                slots = parse_slots(decoded)
             previous = self._latest.get(device)
             if previous is not None and previous.generation != generation:
                 previous = None

@@ -357,6 +357,30 @@ class SamplerTests(SynchronousTestCase):
         self.successResultOf(h.sample())
         self.assertIn("/slots", h.node.telemetry.latest("gpu:0").error)  # type: ignore[union-attr, operator]
 
+    def test_slots_off_falls_back_to_metrics(self) -> None:
+        """A model whose server_args turn /slots off (llama-server answers 501)."""
+        h = self.h
+        h.nodes.load("a")
+        child = FakeChild()
+        child.metrics = child_metrics(processing=2)
+
+        class NoSlots(Resource):
+            isLeaf = True
+
+            def render_GET(self, request: Any) -> bytes:  # noqa: N802
+                if request.path == b"/slots":
+                    request.setResponseCode(501)
+                    return b'{"error": {"code": 501, "message": "This server does not support slots endpoint."}}'
+                return child.render_GET(request)
+
+        stub = StubTreq(NoSlots())
+        h.node.telemetry = TelemetrySampler(h.node.supervisors, reactor=h.reactor, get=stub.get)
+        h.node.telemetry.sample()
+        stub.flush()
+        record = h.node.telemetry.latest("gpu:0")
+        assert record is not None
+        self.assertEqual((record.stale, record.slots_total, record.slots_busy), (False, None, 2))
+
     def test_a_new_child_drops_the_old_figures(self) -> None:
         h = self.h
         h.nodes.load("a")
