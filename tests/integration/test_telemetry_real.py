@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.schemas import load_schema
+from rolemesh.telemetry import load_progress
 from tests.fixtures.llama import free_port
 from tests.fixtures.tiny_gguf import write_tiny_gguf
 from tests.integration.fake_dispatcher_server import FakeDispatcherProcess
@@ -131,6 +132,7 @@ class TelemetryRealTests(SynchronousTestCase):
         status, _, body = self.agent.request("POST", "/v1/completions",
                                              {"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)
         self.assertEqual(status, 200, body)  # loaded: the streams start together
+        self.check_load_steps_of_this_build()
 
         streams = [Stream(self.agent.port) for _ in range(SLOTS)]
         for stream in streams:
@@ -185,6 +187,14 @@ class TelemetryRealTests(SynchronousTestCase):
         self.assertEqual((device["slots"]["busy"], device["slots"]["free"], device["in_flight"]), (0, SLOTS, 0))
         beat = self.next_heartbeat()
         self.assertEqual((beat["slots_busy"], beat["slots_free"], beat["in_flight"]), (0, SLOTS, 0))
+
+    def check_load_steps_of_this_build(self) -> None:
+        """The load-progress patterns match what this llama-server prints."""
+        status, _, raw = self.agent.request("GET", f"/v1/node/devices/{DEVICE}/logs?tail=1000")
+        self.assertEqual(status, 200, raw)
+        progress = load_progress(json.loads(raw)["lines"], MODEL, 0.0)
+        self.assertEqual(progress.step, "loaded")
+        self.assertGreaterEqual(progress.steps_done, 4, progress)
 
     def check_scrape_with_promtool(self, text: str) -> None:
         promtool = shutil.which("promtool")
