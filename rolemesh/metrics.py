@@ -12,7 +12,10 @@
   timeouts, crashes, restarts) into per ``(device, model)`` counts and, when a
   child becomes ready, observes its load time into a histogram.
 * a custom collector that reads live state at scrape time: scheduler books
-  (in flight, queued), child states, device samples, the dispatcher client.
+  (in flight, queued), child states, device samples, the dispatcher client,
+  and the children's own telemetry (:mod:`rolemesh.telemetry`): slots,
+  tokens/s, staleness, and llama-server's series re-exported as
+  ``rolemesh_llamacpp_*`` with ``device`` and ``model`` labels.
 
 Labels are bounded: ``model`` is a configured ``model_id`` (anything else,
 including a request for an unknown model, is ``"unknown"``), ``device`` is a
