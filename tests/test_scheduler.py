@@ -257,19 +257,28 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert ticket.id not in self.outcomes
         self.outcomes[ticket.id] = "started"
 
-    @rule(model=st.sampled_from(["a", "b", "c"]), parallel=st.sampled_from([1, 1, 2]))
-    def arrive(self, model, parallel):
-        holding = [b.name for b in self.scheduler.devices.values()
-                   if b.model == model and b.pending < self.limit]
+    @rule(model=st.sampled_from(["a", "b", "c"]), parallel=st.sampled_from([1, 1, 2]),
+          need=st.sampled_from([None, 1 << 30, 3 << 30, 6 << 30]))
+    def arrive(self, model, parallel, need):
+        books = list(self.scheduler.devices.values())
+        holding = [b.name for b in books if b.model == model and b.pending < self.limit]
+        needs = None if need is None else {b.name: need for b in books}
+        fitting = [b.name for b in books if b.pending < self.limit and self.scheduler._fits(b, need)]
         try:
-            ticket = self.scheduler.submit(model, parallel)
+            ticket = self.scheduler.submit(model, parallel, need=needs)
         except QueueFull:
-            assert all(b.pending >= self.limit for b in self.scheduler.devices.values())
+            assert all(b.pending >= self.limit for b in books)
             self.rejected += 1
             return
         if holding:
             assert ticket.device in holding, "a device holding the model with room must be preferred"
+        elif fitting:
+            assert ticket.device in fitting, "a device whose free memory holds the model must be preferred"
         self.tickets.append(ticket)
+
+    @rule(device=st.sampled_from(["d0", "d1"]), free=st.sampled_from([None, 0, 2 << 30, 8 << 30]))
+    def memory_sampled(self, device, free):
+        self.scheduler.set_free_memory(device, free)
 
     @precondition(lambda self: any(t.state == RUNNING for t in self.tickets))
     @rule(data=st.data())
@@ -283,11 +292,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         live = [t for t in self.tickets if t.state in (QUEUED, RUNNING)]
         self.scheduler.cancel(data.draw(st.sampled_from(live)))
 
-    @rule(device=st.sampled_from(["d0", "d1"]))
-    def load_finished(self, device):
+    @rule(device=st.sampled_from(["d0", "d1"]), model=st.sampled_from(["a", "b", "c"]),
+          slots=st.sampled_from([1, 2, 3]))
+    def load_finished(self, device, model, slots):
+        """A child reports a model loaded -- possibly not the one the book
+        holds (a reload under requests after a crash), with its slot count:
+        the book changes and queued work may start."""
         book = self.scheduler.devices[device]
-        if book.model is not None:
-            self.scheduler.model_loaded(device, book.model)
+        before = (book.model, book.slots)
+        running = [t.model_id for t in book.running]
+        self.scheduler.model_loaded(device, model, slots)
+        if before[0] != model and running and all(m == model for m in running):
+            # Requests of that model run here: nothing may switch it away now.
+            assert (book.model, book.slots) == (model, slots), "the load changed what the device holds"
 
     @rule(device=st.sampled_from(["d0", "d1"]))
     def crash(self, device):
