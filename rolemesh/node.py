@@ -171,7 +171,8 @@ class Node(MultiService, UsesReactor):
             log.error("preloading {model} failed: {error}", model=model.model_id, error=f.getErrorMessage())
             return None
 
-        return d.addCallbacks(loaded, failed)
+        done: "Deferred[Optional[str]]" = d.addCallbacks(loaded, failed)
+        return done.addErrback(lambda f: log.failure("preloading {model} failed", f, model=model.model_id))
 
     def drain(self, grace: float) -> "Deferred[None]":
         """Refuse new requests; fire when in-flight ones are done or ``grace`` passed.
@@ -399,7 +400,8 @@ class Node(MultiService, UsesReactor):
                 request.result.callback(None)
             return None
 
-        defer.gatherResults([evicting, supervisor.stop()], consumeErrors=True).addBoth(stopped)
+        defer.gatherResults([evicting, supervisor.stop()], consumeErrors=True).addBoth(stopped).addErrback(
+            lambda f: log.failure("unloading {device} failed", f, device=supervisor.name))
 
     def _evict(self, ticket: Ticket) -> "Deferred[Any]":
         """Stop the children of the lanes this ticket's start evicted (a
@@ -456,7 +458,15 @@ class Node(MultiService, UsesReactor):
             if not request.result.called:
                 request.result.errback(f)
 
-        request.loading.addCallbacks(ready, failed)
+        def broken(f: Failure) -> None:
+            # A bug in the two callbacks above: logged, and the request is
+            # answered (500) rather than left waiting for ever.
+            log.failure("starting a request on {device} failed", f, device=supervisor.name)
+            self.scheduler.finish(ticket)
+            if not request.result.called:
+                request.result.errback(f)
+
+        request.loading.addCallbacks(ready, failed).addErrback(broken)
 
     def _release(self, lease: Lease) -> None:
         self.scheduler.finish(lease.ticket)
@@ -707,7 +717,10 @@ class Node(MultiService, UsesReactor):
             if timer.active():
                 timer.cancel()
 
-        return d.addCallbacks(got, failed).addBoth(done)
+        d.addCallbacks(got, failed)
+        # An error in the bookkeeping above is logged, not dropped; the loop goes on.
+        d.addErrback(lambda f: log.failure("device metrics bookkeeping failed", f))
+        return d.addBoth(done)
 
     # -- reporting ------------------------------------------------------------------------
 

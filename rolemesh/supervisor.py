@@ -595,7 +595,8 @@ class DeviceSupervisor(Service, UsesReactor):
         def failed(_: Failure) -> None:
             self._probe_in_flight = None  # not up yet (or cancelled): keep polling
 
-        d.addCallbacks(done, failed)
+        d.addCallbacks(done, failed).addErrback(lambda f: log.failure("readiness bookkeeping failed", f,
+                                                                      device=self.name))
 
     def _stop_timers(self) -> None:
         if self._probe_in_flight is not None:

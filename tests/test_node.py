@@ -494,6 +494,42 @@ class CheckChildTests(SynchronousTestCase):
         lease.release()
 
 
+class LostErrorTests(SynchronousTestCase):
+    """A bug in a callback chain is logged, never dropped, and leaves nothing waiting."""
+
+    def test_metrics_bookkeeping_error_is_logged_and_sampling_goes_on(self) -> None:
+        from twisted.logger import capturedLogs
+
+        h = NodeHarness()
+        h.backend.sample = lambda devices: defer.succeed([object()])  # not a DeviceMetrics
+        with capturedLogs() as events:
+            h.node.startService()
+            self.addCleanup(h.node.stopService)
+        failures = [e for e in events if e.get("log_failure") is not None]
+        self.assertEqual(len(failures), 1, events)
+        self.assertIn("device metrics bookkeeping failed", failures[0]["log_format"])
+        self.flushLoggedErrors(AttributeError)
+        self.assertFalse(h.node._sampling, "the next tick may sample again")
+
+    def test_a_request_whose_start_breaks_is_answered_not_left_waiting(self) -> None:
+        import rolemesh.node as node_module
+
+        h = NodeHarness()
+        d = h.node.acquire(h.model("a"))
+
+        def broken_lease(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("a bug in the ready callback")
+
+        real_lease, node_module.Lease = node_module.Lease, broken_lease  # type: ignore[assignment]
+        try:
+            h.answer("alpha")
+        finally:
+            node_module.Lease = real_lease  # type: ignore[misc]
+        self.failureResultOf(d, RuntimeError)
+        self.assertTrue(h.idle(), "the ticket was freed")
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+
 class InferenceProbeTests(SynchronousTestCase):
     def test_an_idle_child_is_probed_after_the_interval_and_again_after_that(self) -> None:
         h = NodeHarness(models=[{"model_id": "p", "inference_probe_interval_s": 60}])
