@@ -439,6 +439,13 @@ def make_service(
     root.reloader = Reloader(*config_paths, node=node, api=api, service=root, dispatcher=root.dispatcher,
                              overrides=reload_overrides,
                              check=lambda new: check_service_config(new, names))
+    # Certificates rotate: a reload re-reads them (new connections get the
+    # new ones, connections in flight keep theirs; bad files keep the old).
+    if root.tls is not None:
+        root.reloader.add_self_reloading("listener TLS", root.tls.reload_for)
+    policy = getattr(root.dispatcher, "tls_policy", None)
+    if policy is not None:
+        root.reloader.add_self_reloading("dispatcher TLS", policy.reload_for)
     return root
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import socket
 import ssl
 from typing import Any, Dict, Optional, Tuple
@@ -75,7 +76,9 @@ class TLSAgentProcess(AgentProcess):
         return https_request(self.port, method, path, context or self.context, body)
 
 
-class TLSAgentTests(SynchronousTestCase):
+class TLSAgentCase(SynchronousTestCase):
+    """An agent with a certificate from a test CA (no tests of its own)."""
+
     def setUp(self) -> None:
         self.dir = os.path.abspath(self.mktemp())
         self.pki = Pki(os.path.join(self.dir, "pki"))
@@ -99,6 +102,9 @@ class TLSAgentTests(SynchronousTestCase):
         return openai.OpenAI(base_url=f"https://localhost:{agent.port}/v1", api_key=API_KEY,
                              http_client=http_client, max_retries=0, timeout=60)
 
+
+
+class TLSAgentTests(TLSAgentCase):
     def test_openai_client_with_a_ca_bundle_on_a_real_model(self) -> None:
         require_llama_server()
         model = tiny_model(self.dir, "tls", 7)
@@ -213,3 +219,27 @@ class TLSDispatcherTests(SynchronousTestCase):
         self.assertNotIn("could not be verified", log)
         self.assertNotIn("plain http://", log)
         self.assertNotIn("Traceback", log)  # HTTPS connections are closed before the reactor stops
+
+
+class CertificateRotationTests(TLSAgentCase):
+    def test_sighup_rotates_the_certificate_for_new_connections(self) -> None:
+        agent = self.start(self.fake_config())
+        self.assertEqual(agent.https("GET", "/health")[0], 200)
+        # The files are replaced in place, by a certificate of another CA.
+        other = Pki(os.path.join(self.dir, "pki2"), name="RoleMesh Rotated CA")
+        cert, key = other.issue("node")
+        os.replace(cert, self.cert)
+        os.replace(key, self.key)
+        agent.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: "certificate reloaded" in agent.log_text() or "listener TLS" in agent.log_text(), 10,
+                   what="the reload logged")
+
+        def new_certificate_served() -> bool:
+            try:
+                return https_request(agent.port, "GET", "/health", client_context(other.ca_file), timeout=2)[0] == 200
+            except (OSError, http.client.HTTPException):
+                return False
+
+        wait_until(new_certificate_served, 10, what="the rotated certificate served")
+        with self.assertRaises(ssl.SSLError):
+            https_request(agent.port, "GET", "/health", client_context(self.pki.ca_file), timeout=2)
