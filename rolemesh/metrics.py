@@ -92,12 +92,25 @@ def _number(value: Any) -> Optional[float]:
 class NodeMetrics:
     """The agent's metrics: observers in, Prometheus text out."""
 
+    _models_of: Any
+    _model_ids: frozenset
+
+    @property
+    def _models(self) -> frozenset:
+        """The models of the running config (a reload may add some); worked
+        out once per config, not per request."""
+        config = self.node.config
+        if self._models_of is not config:
+            self._models_of, self._model_ids = config, frozenset(m.model_id for m in config.models)
+        return self._model_ids
+
     def __init__(self, node: Any, root: Any = None) -> None:
         self.node = node
         self.root = root
         self.registry = CollectorRegistry(auto_describe=False)
-        self._models = frozenset(m.model_id for m in node.config.models)
         self._started = self._now()
+        self._models_of = None
+        self._model_ids = frozenset()
 
         self.requests = Counter(
             "rolemesh_requests",
