@@ -2,10 +2,11 @@
 """Print the configuration key tables that ``docs/configuration.md`` holds.
 
 The tables come from ``rolemesh.config.TOP_LEVEL_KEYS`` and ``MODEL_KEYS``,
-the single source of truth for key names, types, defaults and meanings.
-After changing either, run this from the repository root to rewrite the two
-tables in ``docs/configuration.md`` in place (without ``--write`` it prints
-them)::
+which are read off the key declarations (``key(...)`` / ``derived(...)``
+fields of ``NodeConfig`` and ``ModelConfig``): one declaration per key gives
+its check, its record default and its row here.  After changing a
+declaration, run this from the repository root to rewrite the two tables in
+``docs/configuration.md`` in place (without ``--write`` it prints them)::
 
     python docs/gen_config_doc.py --write
 

@@ -1,14 +1,21 @@
 """Configuration: load YAML, merge an override over it, validate into records.
 
-Validation is a pure function from plain data to frozen records (plus a few
-filesystem checks the caller can turn off in tests).  Every mistake raises
+Each key is declared once, as a field of :class:`NodeConfig` or
+:class:`ModelConfig` made by :func:`key`: its check, its default and its
+documentation row live side by side.  Validation, the records and the tables
+in ``docs/configuration.md`` (``TOP_LEVEL_KEYS`` / ``MODEL_KEYS``, checked by
+a test) all come from those declarations, so they cannot drift.  Fields
+computed from several keys (``api_keys``, the listener, ``models``,
+``preload``) are :func:`derived` and filled by a named step.
+
+Validation runs in two steps.  :func:`parse` is pure -- plain data in, a
+frozen record out, no I/O -- so hypothesis can hammer it.
+:func:`check_environment` then does everything that asks the host: the host
+name and FQDN, ``$PATH``, environment variables, the home directory, model
+files and key files.  Every mistake raises
 :class:`~rolemesh.errors.ConfigError` with one line naming the exact key path
 and the bad value, e.g. ``models[1].ctx_size: expected a positive integer,
 got "big"``.
-
-The table ``TOP_LEVEL_KEYS`` / ``MODEL_KEYS`` is the single source of truth
-for key names, types, defaults and meanings; ``docs/configuration.md`` is
-checked against it by a test so the two cannot drift.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import json
 import os
 import shutil
 import socket
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 
 import attr
 import yaml
@@ -32,338 +39,12 @@ LOG_FORMATS = ("text", "json")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 SECRET_KEYS = frozenset({"api_key", "api_keys", "dispatcher_token"})
 
-
-@attr.s(auto_attribs=True, frozen=True)
-class KeyDoc:
-    """One documented configuration key."""
-
-    name: str
-    type: str
-    default: str
-    meaning: str
-
-
-TOP_LEVEL_KEYS: Tuple[KeyDoc, ...] = (
-    KeyDoc("node_id", "string", "the host name", "Name of this node at the dispatcher."),
-    KeyDoc("listen_host", "string", "`127.0.0.1`", "Address the API listens on."),
-    KeyDoc("listen_port", "integer 0-65535", "`8090`", "Port the API listens on (0 = any free port)."),
-    KeyDoc("listen", "Twisted server endpoint description", "unset (`listen_host`/`listen_port`)",
-           "Where to listen instead of `listen_host`/`listen_port`, e.g. `tcp6:8090:interface=\\:\\:`, "
-           "`unix:/run/rolemesh/agent.sock` or `ssl:8443:privateKey=key.pem:certKey=cert.pem` "
-           "(same as `tls_cert_file`/`tls_key_file`)."),
-    KeyDoc("tls_cert_file", "path", "unset (plain HTTP)",
-           "PEM certificate (leaf first, then intermediates) to serve HTTPS with; TLS 1.2 or newer."),
-    KeyDoc("tls_key_file", "path", "`tls_cert_file`", "PEM private key of `tls_cert_file` (unencrypted)."),
-    KeyDoc("tls_client_ca_file", "path", "unset",
-           "Mutual TLS: clients must present a certificate signed by a CA in this PEM file."),
-    KeyDoc("advertise_url", "URL", "`http(s)://<listen_host>:<listen_port>`",
-           "URL the dispatcher uses to reach this node."),
-    KeyDoc("backend", "`auto`, `cuda`, `rocm`, `metal`, `sycl`, `vulkan` or `cpu`", "`auto`",
-           "Device backend; `auto` picks from hardware evidence."),
-    KeyDoc("devices", "list of device names", "all discovered",
-           "Allow-list such as `[\"gpu:0\", \"gpu:2\"]`; naming an absent device is an error."),
-    KeyDoc("cpu_devices", "`numa` or a positive integer", "one device",
-           "How the `cpu` backend splits the host: one device per NUMA node, or N core groups."),
-    KeyDoc("llama_server_bin", "path or command name",
-           "the one `scripts/install-llama-server.sh` installed, else `llama-server` on PATH",
-           "The llama-server executable."),
-    KeyDoc("llama_server_startup_timeout_s", "positive number", "`30.0`",
-           "How long a child may take to become ready."),
-    KeyDoc("llama_server_probe_interval_s", "positive number", "`0.5`",
-           "Readiness probe interval while a child starts."),
-    KeyDoc("llama_server_stall_timeout_s", "positive number", "`20.0`",
-           "A loading child that prints nothing for this long has stalled: it is killed and the load fails "
-           "(`model_load_timeout`, \"stalled\") without waiting for `llama_server_startup_timeout_s`."),
-    KeyDoc("llama_server_stop_timeout_s", "positive number", "`5.0`",
-           "Grace between SIGTERM and SIGKILL when a child is stopped."),
-    KeyDoc("max_pending_requests_per_device", "positive integer", "`2`",
-           "In-flight plus queued requests a device admits before answering 429."),
-    KeyDoc("device_memory_reserve_bytes", "non-negative integer", "`0`",
-           "Headroom kept free on each device: added to every model's memory estimate "
-           "(once per device a model spans)."),
-    KeyDoc("dispatcher_base_url", "URL", "unset (standalone)",
-           "RoleMesh dispatcher to register and heartbeat with."),
-    KeyDoc("heartbeat_interval_s", "positive number", "`5.0`", "Seconds between heartbeats."),
-    KeyDoc("api_key", "string", "unset", "Bearer key every route but `/health` requires."),
-    KeyDoc("api_keys", "list of strings", "`[]`", "Several accepted keys, for rotation."),
-    KeyDoc("api_key_env", "environment variable name", "unset",
-           "Read one more accepted key from this environment variable."),
-    KeyDoc("api_key_file", "path", "unset", "Read accepted keys from this file, one per line."),
-    KeyDoc("require_auth_off_loopback", "boolean", "`false`",
-           "Refuse to start when listening beyond loopback without an API key (else: a loud warning)."),
-    KeyDoc("dispatcher_token", "string", "unset", "Bearer token sent to the dispatcher."),
-    KeyDoc("dispatcher_ca_file", "path", "unset (the system trust store)",
-           "PEM CA certificate(s) an `https://` dispatcher's certificate must be signed by."),
-    KeyDoc("dispatcher_client_cert_file", "path", "unset",
-           "PEM client certificate presented to the dispatcher (mutual TLS)."),
-    KeyDoc("dispatcher_client_key_file", "path", "`dispatcher_client_cert_file`",
-           "PEM private key of `dispatcher_client_cert_file` (unencrypted)."),
-    KeyDoc("max_request_body_bytes", "positive integer", "`8388608` (8 MiB)",
-           "Larger request bodies are answered 413."),
-    KeyDoc("max_connections", "positive integer", "`1024`",
-           "Open client connections accepted at once; more are closed at once."),
-    KeyDoc("request_read_timeout_s", "positive number", "`30`",
-           "Deadline for receiving a whole request (headers and body); slower clients are cut off."),
-    KeyDoc("idle_timeout_s", "positive number", "`60`", "Keep-alive connections idle this long are closed."),
-    KeyDoc("queue_timeout_s", "positive number", "`300`",
-           "Longest wait in a device queue; then 503 `queue_timeout` with `Retry-After`, and the request leaves "
-           "the queue."),
-    KeyDoc("stream_idle_timeout_s", "positive number", "`120`",
-           "Longest silence between chunks of an answer that has begun (stream or body); then the answer is "
-           "ended (an SSE error event, or a cut connection) and the child is probed and replaced if it fails."),
-    KeyDoc("request_timeout_s", "positive number", "`600`",
-           "Deadline for a non-streaming upstream answer (504 after it)."),
-    KeyDoc("shutdown_grace_s", "non-negative number", "`30`",
-           "How long a drain waits for in-flight requests."),
-    KeyDoc("idle_unload_s", "positive number", "unset (keep loaded)",
-           "Stop a child idle this long; a model may override it."),
-    KeyDoc("state_dir", "path", "`$XDG_STATE_HOME/rolemesh-node` or `~/.local/state/rolemesh-node`",
-           "Where pid files of children live."),
-    KeyDoc("log_format", "`text` or `json`", "`text`", "Log line format."),
-    KeyDoc("preload", "list of model ids or `{model, device}` mappings", "`[]`",
-           "Models to load at start-up, optionally on a given device (besides per-model `preload`)."),
-    KeyDoc("models", "list of model entries", "`[]`", "The models this node serves (below)."),
-)
-
-MODEL_KEYS: Tuple[KeyDoc, ...] = (
-    KeyDoc("model_id", "string", "required", "Name clients use; also the child's `--alias` by default."),
-    KeyDoc("path", "path", "required", "The exact GGUF file."),
-    KeyDoc("roles", "list of strings", "`[]`", "Roles this model can satisfy (clients may ask for a role)."),
-    KeyDoc("alias", "string", "the `model_id`", "Another name for the model; passed as `--alias`."),
-    KeyDoc("ctx_size", "positive integer", "llama-server's", "`--ctx-size`"),
-    KeyDoc("batch_size", "positive integer", "llama-server's", "`--batch-size`"),
-    KeyDoc("ubatch_size", "positive integer", "llama-server's", "`--ubatch-size`"),
-    KeyDoc("threads", "positive integer", "the device's core count (cpu) or llama-server's", "`--threads`"),
-    KeyDoc("threads_batch", "positive integer", "llama-server's", "`--threads-batch`"),
-    KeyDoc("gpu_layers", "non-negative integer, `auto` or `all`", "llama-server's", "`--n-gpu-layers`"),
-    KeyDoc("main_gpu", "non-negative integer", "llama-server's", "`--main-gpu`"),
-    KeyDoc("tensor_split", "list of non-negative numbers",
-           "the devices' memory ratio on a device group, else llama-server's", "`--tensor-split a,b,...`"),
-    KeyDoc("devices", "list of device names", "any one device",
-           "The devices this model runs on. One name pins it there; several make a device group: one child "
-           "spans them all (pinned to all of them) and holds every member while it runs."),
-    KeyDoc("flash_attn", "boolean or `on`/`off`/`auto`", "llama-server's",
-           "`--flash-attn on|off|auto`; `true` means `on`, `false` means `off`."),
-    KeyDoc("server_args", "mapping", "`{}`",
-           "Other llama-server flags: `true` = bare flag, `false`/null = omitted, lists repeat the flag "
-           "(or join with commas where llama-server expects that)."),
-    KeyDoc("preload", "boolean", "`false`", "Load this model at start-up."),
-    KeyDoc("inference_probe_interval_s", "positive number", "unset (off)",
-           "After this long without a successful request, send the ready child a 1-token completion (an "
-           "embedding for embedding models); 3 failures in a row replace the child. Catches a child whose "
-           "`/health` answers while its GPU is broken."),
-    KeyDoc("idle_unload_s", "positive number or null", "the top-level value",
-           "Per-model idle unload; null keeps it loaded forever."),
-)
-
-
-@attr.s(auto_attribs=True, frozen=True)
-class ModelConfig:
-    """One validated ``models[]`` entry."""
-
-    model_id: str
-    path: str
-    roles: Tuple[str, ...] = ()
-    alias: Optional[str] = None
-    ctx_size: Optional[int] = None
-    batch_size: Optional[int] = None
-    ubatch_size: Optional[int] = None
-    threads: Optional[int] = None
-    threads_batch: Optional[int] = None
-    gpu_layers: Optional[Any] = None
-    main_gpu: Optional[int] = None
-    tensor_split: Optional[Tuple[float, ...]] = None
-    flash_attn: Optional[str] = None
-    #: ``(flag, value)`` pairs, flag normalised to dashes, in config order.
-    server_args: Tuple[Tuple[str, Any], ...] = ()
-    preload: bool = False
-    #: ``None`` = inherit the node default; ``0`` is never stored.
-    idle_unload_s: Optional[float] = None
-    inference_probe_interval_s: Optional[float] = None
-    #: The devices the model runs on (one: pinned; several: a device group);
-    #: empty = any single device.
-    devices: Tuple[str, ...] = ()
-    #: True when the entry says ``idle_unload_s: null`` (keep forever).
-    keep_loaded: bool = False
-
-    @property
-    def served_name(self) -> str:
-        """The name llama-server reports for this model (its first alias)."""
-        return self.alias or self.model_id
-
-    @property
-    def names(self) -> Tuple[str, ...]:
-        return (self.model_id,) if not self.alias else (self.model_id, self.alias)
-
-    @property
-    def parallel(self) -> int:
-        """Concurrent slots llama-server runs for this model (``--parallel``)."""
-        for flag, value in self.server_args:
-            if flag in ("parallel", "np") and value is not None and value is not False:
-                return int(value)
-        return 1
-
-
-@attr.s(auto_attribs=True, frozen=True)
-class NodeConfig:
-    """The validated agent configuration."""
-
-    node_id: str
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 8090
-    #: A Twisted server endpoint description (never ``ssl:``: that becomes
-    #: ``tcp:`` plus the tls_* files); None = TCP on listen_host:listen_port.
-    listen: Optional[str] = None
-    tls_cert_file: Optional[str] = None
-    tls_key_file: Optional[str] = None
-    tls_client_ca_file: Optional[str] = None
-    advertise_url: str = ""
-    backend: str = "auto"
-    devices: Optional[Tuple[str, ...]] = None
-    cpu_devices: Optional[Any] = None
-    llama_server_bin: Optional[str] = None
-    llama_server_startup_timeout_s: float = 30.0
-    llama_server_probe_interval_s: float = 0.5
-    llama_server_stop_timeout_s: float = 5.0
-    llama_server_stall_timeout_s: float = 20.0
-    max_pending_requests_per_device: int = 2
-    device_memory_reserve_bytes: int = 0
-    dispatcher_base_url: Optional[str] = None
-    heartbeat_interval_s: float = 5.0
-    api_keys: Tuple[str, ...] = attr.ib(default=(), repr=False)
-    dispatcher_token: Optional[str] = attr.ib(default=None, repr=False)
-    dispatcher_ca_file: Optional[str] = None
-    dispatcher_client_cert_file: Optional[str] = None
-    dispatcher_client_key_file: Optional[str] = None
-    require_auth_off_loopback: bool = False
-    max_request_body_bytes: int = 8 * 1024 * 1024
-    max_connections: int = 1024
-    request_read_timeout_s: float = 30.0
-    idle_timeout_s: float = 60.0
-    queue_timeout_s: float = 300.0
-    stream_idle_timeout_s: float = 120.0
-    request_timeout_s: float = 600.0
-    shutdown_grace_s: float = 30.0
-    idle_unload_s: Optional[float] = None
-    state_dir: str = ""
-    log_format: str = "text"
-    models: Tuple[ModelConfig, ...] = ()
-    #: ``(model_id, device or None)`` pairs from the top-level ``preload`` list.
-    preload: Tuple[Tuple[str, Optional[str]], ...] = ()
-
-    def model(self, model_id: str) -> ModelConfig:
-        for m in self.models:
-            if m.model_id == model_id:
-                return m
-        raise KeyError(model_id)
-
-    @property
-    def tls(self) -> Optional[ServerTLSFiles]:
-        """The listener's TLS files; None = plain HTTP."""
-        if self.tls_cert_file is None:
-            return None
-        return ServerTLSFiles(self.tls_cert_file, self.tls_key_file or self.tls_cert_file, self.tls_client_ca_file)
-
-    @property
-    def dispatcher_tls(self) -> ClientTLSFiles:
-        """How an https:// dispatcher is verified and whom we present as."""
-        return ClientTLSFiles(self.dispatcher_ca_file, self.dispatcher_client_cert_file,
-                              self.dispatcher_client_key_file or self.dispatcher_client_cert_file)
-
-    @property
-    def exposed_without_key(self) -> bool:
-        """Listening beyond loopback with no API key: anyone who reaches the
-        port can use every model."""
-        return self.listen_host not in LOOPBACK_HOSTS and not self.api_keys
-
-    def idle_unload_for(self, model: ModelConfig) -> Optional[float]:
-        if model.keep_loaded:
-            return None
-        return model.idle_unload_s if model.idle_unload_s is not None else self.idle_unload_s
+#: A pure value check: ``(key path, value) -> value to store``, raising ConfigError.
+Check = Callable[[str, Any], Any]
 
 
 # --------------------------------------------------------------------------
-# Loading and merging
-
-
-def load_yaml(path: str) -> Dict[str, Any]:
-    """Read one YAML file into a mapping, or raise a one-line ConfigError."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, expected a YAML file") from None
-    except PermissionError:
-        raise ConfigError(f"{path}: permission denied") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not UTF-8 text") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {_kind(data)}")
-    return data
-
-
-def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any], where: str = "") -> Dict[str, Any]:
-    """Merge ``override`` over ``base``.
-
-    Mappings merge recursively; scalars and lists replace -- except the
-    top-level ``models`` list, whose entries are matched by ``model_id`` so an
-    override can change one model's ``path`` without restating the others.
-    Entries with a new ``model_id`` are appended.
-    """
-    merged: Dict[str, Any] = dict(base)
-    for key, value in override.items():
-        path = f"{where}.{key}" if where else str(key)
-        if key == "models" and not where and isinstance(value, list) and isinstance(base.get(key), list):
-            merged[key] = _merge_models(base[key], value)
-        elif isinstance(value, dict) and isinstance(base.get(key), dict):
-            merged[key] = deep_merge(base[key], value, path)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _merge_models(base: List[Any], override: List[Any]) -> List[Any]:
-    result = list(base)
-    index = {m.get("model_id"): i for i, m in enumerate(base) if isinstance(m, dict)}
-    for i, entry in enumerate(override):
-        if not isinstance(entry, dict) or not isinstance(entry.get("model_id"), str):
-            raise ConfigError(
-                f"models[{i}] (override): each override entry needs a model_id to match a base entry"
-            )
-        j = index.get(entry["model_id"])
-        if j is None:
-            index[entry["model_id"]] = len(result)
-            result.append(entry)
-        else:
-            result[j] = deep_merge(result[j], entry, f"models[{j}]")
-    return result
-
-
-def load_config(
-    path: str,
-    override_path: Optional[str] = None,
-    *,
-    check_files: bool = True,
-    environ: Optional[Mapping[str, str]] = None,
-) -> NodeConfig:
-    """Load, merge and validate; the CLI and the twistd plugin both call this."""
-    raw = load_yaml(path)
-    if override_path:
-        raw = deep_merge(raw, load_yaml(override_path))
-    return validate(raw, check_files=check_files, environ=environ)
-
-
-# --------------------------------------------------------------------------
-# Validation
+# Value checks (pure)
 
 
 def _show(value: Any) -> str:
@@ -475,6 +156,494 @@ def _optional(
     return None if value is None else check(prefix + key, value)
 
 
+
+
+def _port(path: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise _fail(path, "a port number 0-65535", value)
+    return value
+
+
+def _one_of(*choices: str) -> Check:
+    return lambda path, value: _choice(path, value, choices)
+
+
+def _device_allow_list(path: str, value: Any) -> Tuple[str, ...]:
+    devices = _string_list(path, value)
+    if not devices:
+        raise _fail(path, "a non-empty list of device names (or leave it unset)", [])
+    return devices
+
+
+def check_cpu_devices(path: str, value: Any) -> Any:
+    """``cpu_devices``: ``"numa"`` or a positive integer (the config and the cpu backend both use this)."""
+    if value != "numa" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise _fail(path, '"numa" or a positive integer', value)
+    return value
+
+
+def _roles(path: str, value: Any) -> Tuple[str, ...]:
+    return _string_list(path, value or [])
+
+
+def _model_devices(path: str, value: Any) -> Tuple[str, ...]:
+    devices = _string_list(path, value or [])
+    for j, name in enumerate(devices):
+        if name in devices[:j]:
+            raise ConfigError(f"{path}[{j}]: {_show(name)} is listed twice")
+    return devices
+
+
+def _gpu_layers(path: str, value: Any) -> Any:
+    return value if value in ("auto", "all") else _non_negative_int(path, value)
+
+
+def _tensor_split(path: str, value: Any) -> Tuple[float, ...]:
+    if not isinstance(value, list) or not value or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in value
+    ):
+        raise _fail(path, "a non-empty list of non-negative numbers", value)
+    return tuple(value)
+
+
+def _flash_attn(path: str, value: Any) -> str:
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    return _choice(path, value, ("on", "off", "auto"))
+
+
+# --------------------------------------------------------------------------
+# Key declarations
+
+#: attrs metadata naming the configuration keys a record field is read from.
+_KEYS = "rolemesh.config.keys"
+
+
+@attr.s(auto_attribs=True, frozen=True)
+class KeyDoc:
+    """One configuration key: its documentation row and how a value is checked."""
+
+    name: str
+    type: str
+    default: str
+    meaning: str
+    #: The pure check of one value; None = a named derivation step reads the key.
+    check: Optional[Check] = attr.ib(default=None, eq=False, repr=False)
+    #: ``null`` means "the default" (otherwise null is checked, and refused, like any value).
+    nullable: bool = False
+    #: Absent or null is an error ("required").
+    required: bool = False
+
+
+def render_default(value: Any) -> str:
+    """A default value as the documentation table shows it."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    if value == ():
+        return "`[]`"
+    return f"`{value}`"
+
+
+def key(
+    default: Any,
+    check: Check,
+    type_doc: str,
+    meaning: str,
+    *,
+    default_doc: Optional[str] = None,
+    nullable: Optional[bool] = None,
+    required: bool = False,
+    **attrib: Any,
+) -> Any:
+    """A record field that is exactly one configuration key of the same name.
+
+    ``default_doc`` is for defaults the value alone does not say (``None``
+    meaning "llama-server's", ``""`` meaning "the host name"); otherwise the
+    documented default is rendered from ``default`` itself.  Null means the
+    default when ``nullable`` (by default: when the default is None).
+    """
+    doc = KeyDoc(
+        "",
+        type_doc,
+        render_default(default) if default_doc is None else default_doc,
+        meaning,
+        check,
+        default is None if nullable is None else nullable,
+        required,
+    )
+    return attr.ib(default=default, metadata={_KEYS: (doc,)}, **attrib)
+
+
+def derived(default: Any, *keys: KeyDoc, **attrib: Any) -> Any:
+    """A record field a named step computes from the documented ``keys``
+    (none: from other fields)."""
+    return attr.ib(default=default, metadata={_KEYS: keys}, **attrib)
+
+
+def key_docs(record: Type[Any]) -> Tuple[KeyDoc, ...]:
+    """Every configuration key ``record`` is read from, in field order."""
+    return tuple(
+        doc if doc.name else attr.evolve(doc, name=field.name)
+        for field in attr.fields(record)
+        for doc in field.metadata.get(_KEYS, ())
+    )
+
+
+def plain_key(field: Any) -> Optional[KeyDoc]:
+    """The one key a field is checked from on its own, or None for derived fields."""
+    docs = field.metadata.get(_KEYS, ())
+    return docs[0] if len(docs) == 1 and docs[0].check is not None else None
+
+
+# --------------------------------------------------------------------------
+# The records
+
+
+@attr.s(auto_attribs=True, frozen=True)
+class ModelConfig:
+    """One validated ``models[]`` entry."""
+
+    model_id: str = key(attr.NOTHING, _string, "string", "Name clients use; also the child's `--alias` by default.",
+                        default_doc="required", required=True)
+    path: str = key(attr.NOTHING, _string, "path", "The exact GGUF file.", default_doc="required", required=True)
+    roles: Tuple[str, ...] = key((), _roles, "list of strings",
+                                 "Roles this model can satisfy (clients may ask for a role).", nullable=True)
+    alias: Optional[str] = key(None, _string, "string", "Another name for the model; passed as `--alias`.",
+                               default_doc="the `model_id`")
+    ctx_size: Optional[int] = key(None, _positive_int, "positive integer", "`--ctx-size`",
+                                  default_doc="llama-server's")
+    batch_size: Optional[int] = key(None, _positive_int, "positive integer", "`--batch-size`",
+                                    default_doc="llama-server's")
+    ubatch_size: Optional[int] = key(None, _positive_int, "positive integer", "`--ubatch-size`",
+                                     default_doc="llama-server's")
+    threads: Optional[int] = key(None, _positive_int, "positive integer", "`--threads`",
+                                 default_doc="the device's core count (cpu) or llama-server's")
+    threads_batch: Optional[int] = key(None, _positive_int, "positive integer", "`--threads-batch`",
+                                       default_doc="llama-server's")
+    gpu_layers: Optional[Any] = key(None, _gpu_layers, "non-negative integer, `auto` or `all`", "`--n-gpu-layers`",
+                                    default_doc="llama-server's")
+    main_gpu: Optional[int] = key(None, _non_negative_int, "non-negative integer", "`--main-gpu`",
+                                  default_doc="llama-server's")
+    tensor_split: Optional[Tuple[float, ...]] = key(
+        None, _tensor_split, "list of non-negative numbers", "`--tensor-split a,b,...`",
+        default_doc="the devices' memory ratio on a device group, else llama-server's")
+    #: The devices the model runs on (one: pinned; several: a device group);
+    #: empty = any single device.
+    devices: Tuple[str, ...] = key(
+        (), _model_devices, "list of device names",
+        "The devices this model runs on. One name pins it there; several make a device group: one child "
+        "spans them all (pinned to all of them) and holds every member while it runs.",
+        default_doc="any one device", nullable=True)
+    flash_attn: Optional[str] = key(None, _flash_attn, "boolean or `on`/`off`/`auto`",
+                                    "`--flash-attn on|off|auto`; `true` means `on`, `false` means `off`.",
+                                    default_doc="llama-server's")
+    #: ``(flag, value)`` pairs, flag normalised to dashes, in config order (:func:`_server_args`).
+    server_args: Tuple[Tuple[str, Any], ...] = derived((), KeyDoc(
+        "server_args", "mapping", "`{}`",
+        "Other llama-server flags: `true` = bare flag, `false`/null = omitted, lists repeat the flag "
+        "(or join with commas where llama-server expects that)."))
+    preload: bool = key(False, _boolean, "boolean", "Load this model at start-up.")
+    inference_probe_interval_s: Optional[float] = key(
+        None, _positive_number, "positive number",
+        "After this long without a successful request, send the ready child a 1-token completion (an "
+        "embedding for embedding models); 3 failures in a row replace the child. Catches a child whose "
+        "`/health` answers while its GPU is broken.",
+        default_doc="unset (off)")
+    #: ``None`` = inherit the node default; ``0`` is never stored.
+    idle_unload_s: Optional[float] = key(None, _positive_number, "positive number or null",
+                                         "Per-model idle unload; null keeps it loaded forever.",
+                                         default_doc="the top-level value")
+    #: True when the entry says ``idle_unload_s: null`` (keep forever).
+    keep_loaded: bool = derived(False)
+
+    @property
+    def served_name(self) -> str:
+        """The name llama-server reports for this model (its first alias)."""
+        return self.alias or self.model_id
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return (self.model_id,) if not self.alias else (self.model_id, self.alias)
+
+    @property
+    def parallel(self) -> int:
+        """Concurrent slots llama-server runs for this model (``--parallel``)."""
+        for flag, value in self.server_args:
+            if flag in ("parallel", "np") and value is not None and value is not False:
+                return int(value)
+        return 1
+
+
+def _seconds(default: float, meaning: str, check: Check = _positive_number, type_doc: str = "positive number") -> Any:
+    return key(default, check, type_doc, meaning)
+
+
+@attr.s(auto_attribs=True, frozen=True)
+class NodeConfig:
+    """The validated agent configuration."""
+
+    #: ``""`` only before :func:`check_environment` (which puts in the host name).
+    node_id: str = key("", _string, "string", "Name of this node at the dispatcher.",
+                       default_doc="the host name", nullable=True)
+    listen_host: str = key("127.0.0.1", _string, "string", "Address the API listens on.", nullable=True)
+    listen_port: int = key(8090, _port, "integer 0-65535", "Port the API listens on (0 = any free port).")
+    #: A Twisted server endpoint description (never ``ssl:``: that becomes
+    #: ``tcp:`` plus the tls_* files); None = TCP on listen_host:listen_port.
+    listen: Optional[str] = key(
+        None, _string, "Twisted server endpoint description",
+        "Where to listen instead of `listen_host`/`listen_port`, e.g. `tcp6:8090:interface=\\:\\:`, "
+        "`unix:/run/rolemesh/agent.sock` or `ssl:8443:privateKey=key.pem:certKey=cert.pem` "
+        "(same as `tls_cert_file`/`tls_key_file`).",
+        default_doc="unset (`listen_host`/`listen_port`)")
+    tls_cert_file: Optional[str] = key(
+        None, _string, "path",
+        "PEM certificate (leaf first, then intermediates) to serve HTTPS with; TLS 1.2 or newer.",
+        default_doc="unset (plain HTTP)")
+    tls_key_file: Optional[str] = key(None, _string, "path", "PEM private key of `tls_cert_file` (unencrypted).",
+                                      default_doc="`tls_cert_file`")
+    tls_client_ca_file: Optional[str] = key(
+        None, _string, "path", "Mutual TLS: clients must present a certificate signed by a CA in this PEM file.")
+    #: ``""`` only before :func:`check_environment` (which derives it from the listen address).
+    advertise_url: str = key("", _url, "URL", "URL the dispatcher uses to reach this node.",
+                             default_doc="`http(s)://<listen_host>:<listen_port>`", nullable=True)
+    backend: str = key("auto", _one_of(*BACKENDS), "`auto`, `cuda`, `rocm`, `metal`, `sycl`, `vulkan` or `cpu`",
+                       "Device backend; `auto` picks from hardware evidence.")
+    devices: Optional[Tuple[str, ...]] = key(
+        None, _device_allow_list, "list of device names",
+        "Allow-list such as `[\"gpu:0\", \"gpu:2\"]`; naming an absent device is an error.",
+        default_doc="all discovered")
+    cpu_devices: Optional[Any] = key(
+        None, check_cpu_devices, "`numa` or a positive integer",
+        "How the `cpu` backend splits the host: one device per NUMA node, or N core groups.",
+        default_doc="one device")
+    models: Tuple[ModelConfig, ...] = derived(
+        (), KeyDoc("models", "list of model entries", "`[]`", "The models this node serves (below)."))
+    #: As written until :func:`check_environment` resolves it on ``$PATH``.
+    llama_server_bin: Optional[str] = key(
+        None, _string, "path or command name", "The llama-server executable.",
+        default_doc="the one `scripts/install-llama-server.sh` installed, else `llama-server` on PATH")
+    llama_server_startup_timeout_s: float = _seconds(30.0, "How long a child may take to become ready.")
+    llama_server_probe_interval_s: float = _seconds(0.5, "Readiness probe interval while a child starts.")
+    llama_server_stop_timeout_s: float = _seconds(5.0, "Grace between SIGTERM and SIGKILL when a child is stopped.")
+    llama_server_stall_timeout_s: float = _seconds(
+        20.0,
+        "A loading child that prints nothing for this long has stalled: it is killed and the load fails "
+        "(`model_load_timeout`, \"stalled\") without waiting for `llama_server_startup_timeout_s`.")
+    max_pending_requests_per_device: int = key(
+        2, _positive_int, "positive integer", "In-flight plus queued requests a device admits before answering 429.")
+    device_memory_reserve_bytes: int = key(
+        0, _non_negative_int, "non-negative integer",
+        "Headroom kept free on each device: added to every model's memory estimate "
+        "(once per device a model spans).")
+    dispatcher_base_url: Optional[str] = key(None, _url, "URL", "RoleMesh dispatcher to register and heartbeat with.",
+                                             default_doc="unset (standalone)")
+    heartbeat_interval_s: float = _seconds(5.0, "Seconds between heartbeats.")
+    #: Every accepted key, from the four key sources (:func:`_api_keys`, then
+    #: :func:`_environment_api_keys` adds the variable's and the file's).
+    api_keys: Tuple[str, ...] = derived(
+        (),
+        KeyDoc("api_key", "string", "unset", "Bearer key every route but `/health` requires."),
+        KeyDoc("api_keys", "list of strings", "`[]`", "Several accepted keys, for rotation."),
+        KeyDoc("api_key_env", "environment variable name", "unset",
+               "Read one more accepted key from this environment variable."),
+        KeyDoc("api_key_file", "path", "unset", "Read accepted keys from this file, one per line."),
+        repr=False)
+    dispatcher_token: Optional[str] = key(None, _string, "string", "Bearer token sent to the dispatcher.", repr=False)
+    dispatcher_ca_file: Optional[str] = key(
+        None, _string, "path", "PEM CA certificate(s) an `https://` dispatcher's certificate must be signed by.",
+        default_doc="unset (the system trust store)")
+    dispatcher_client_cert_file: Optional[str] = key(
+        None, _string, "path", "PEM client certificate presented to the dispatcher (mutual TLS).")
+    dispatcher_client_key_file: Optional[str] = key(
+        None, _string, "path", "PEM private key of `dispatcher_client_cert_file` (unencrypted).",
+        default_doc="`dispatcher_client_cert_file`")
+    require_auth_off_loopback: bool = key(
+        False, _boolean, "boolean",
+        "Refuse to start when listening beyond loopback without an API key (else: a loud warning).")
+    max_request_body_bytes: int = key(8 * 1024 * 1024, _positive_int, "positive integer",
+                                      "Larger request bodies are answered 413.", default_doc="`8388608` (8 MiB)")
+    max_connections: int = key(1024, _positive_int, "positive integer",
+                               "Open client connections accepted at once; more are closed at once.")
+    request_read_timeout_s: float = _seconds(
+        30.0, "Deadline for receiving a whole request (headers and body); slower clients are cut off.")
+    idle_timeout_s: float = _seconds(60.0, "Keep-alive connections idle this long are closed.")
+    queue_timeout_s: float = _seconds(
+        300.0,
+        "Longest wait in a device queue; then 503 `queue_timeout` with `Retry-After`, and the request leaves "
+        "the queue.")
+    stream_idle_timeout_s: float = _seconds(
+        120.0,
+        "Longest silence between chunks of an answer that has begun (stream or body); then the answer is "
+        "ended (an SSE error event, or a cut connection) and the child is probed and replaced if it fails.")
+    request_timeout_s: float = _seconds(600.0, "Deadline for a non-streaming upstream answer (504 after it).")
+    shutdown_grace_s: float = _seconds(30.0, "How long a drain waits for in-flight requests.",
+                                       _non_negative_number, "non-negative number")
+    idle_unload_s: Optional[float] = key(None, _positive_number, "positive number",
+                                         "Stop a child idle this long; a model may override it.",
+                                         default_doc="unset (keep loaded)")
+    #: ``""`` only before :func:`check_environment` (which puts in the XDG default).
+    state_dir: str = key("", _string, "path", "Where pid files of children live.",
+                         default_doc="`$XDG_STATE_HOME/rolemesh-node` or `~/.local/state/rolemesh-node`",
+                         nullable=True)
+    log_format: str = key("text", _one_of(*LOG_FORMATS), "`text` or `json`", "Log line format.")
+    #: ``(model_id, device or None)`` pairs from the top-level ``preload`` list.
+    preload: Tuple[Tuple[str, Optional[str]], ...] = derived((), KeyDoc(
+        "preload", "list of model ids or `{model, device}` mappings", "`[]`",
+        "Models to load at start-up, optionally on a given device (besides per-model `preload`)."))
+
+
+    def model(self, model_id: str) -> ModelConfig:
+        for m in self.models:
+            if m.model_id == model_id:
+                return m
+        raise KeyError(model_id)
+
+    @property
+    def tls(self) -> Optional[ServerTLSFiles]:
+        """The listener's TLS files; None = plain HTTP."""
+        if self.tls_cert_file is None:
+            return None
+        return ServerTLSFiles(self.tls_cert_file, self.tls_key_file or self.tls_cert_file, self.tls_client_ca_file)
+
+    @property
+    def dispatcher_tls(self) -> ClientTLSFiles:
+        """How an https:// dispatcher is verified and whom we present as."""
+        return ClientTLSFiles(self.dispatcher_ca_file, self.dispatcher_client_cert_file,
+                              self.dispatcher_client_key_file or self.dispatcher_client_cert_file)
+
+    @property
+    def exposed_without_key(self) -> bool:
+        """Listening beyond loopback with no API key: anyone who reaches the
+        port can use every model."""
+        return self.listen_host not in LOOPBACK_HOSTS and not self.api_keys
+
+    def idle_unload_for(self, model: ModelConfig) -> Optional[float]:
+        if model.keep_loaded:
+            return None
+        return model.idle_unload_s if model.idle_unload_s is not None else self.idle_unload_s
+
+
+#: The documented keys, from the declarations above (docs/gen_config_doc.py
+#: prints them as the tables in docs/configuration.md).
+TOP_LEVEL_KEYS: Tuple[KeyDoc, ...] = key_docs(NodeConfig)
+MODEL_KEYS: Tuple[KeyDoc, ...] = key_docs(ModelConfig)
+
+
+# --------------------------------------------------------------------------
+# Loading and merging
+
+
+def load_yaml(path: str) -> Dict[str, Any]:
+    """Read one YAML file into a mapping, or raise a one-line ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a YAML file") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: permission denied") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {_kind(data)}")
+    return data
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any], where: str = "") -> Dict[str, Any]:
+    """Merge ``override`` over ``base``.
+
+    Mappings merge recursively; scalars and lists replace -- except the
+    top-level ``models`` list, whose entries are matched by ``model_id`` so an
+    override can change one model's ``path`` without restating the others.
+    Entries with a new ``model_id`` are appended.
+    """
+    merged: Dict[str, Any] = dict(base)
+    for key, value in override.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key == "models" and not where and isinstance(value, list) and isinstance(base.get(key), list):
+            merged[key] = _merge_models(base[key], value)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            merged[key] = deep_merge(base[key], value, path)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _merge_models(base: List[Any], override: List[Any]) -> List[Any]:
+    result = list(base)
+    index = {m.get("model_id"): i for i, m in enumerate(base) if isinstance(m, dict)}
+    for i, entry in enumerate(override):
+        if not isinstance(entry, dict) or not isinstance(entry.get("model_id"), str):
+            raise ConfigError(
+                f"models[{i}] (override): each override entry needs a model_id to match a base entry"
+            )
+        j = index.get(entry["model_id"])
+        if j is None:
+            index[entry["model_id"]] = len(result)
+            result.append(entry)
+        else:
+            result[j] = deep_merge(result[j], entry, f"models[{j}]")
+    return result
+
+
+def load_config(
+    path: str,
+    override_path: Optional[str] = None,
+    *,
+    check_files: bool = True,
+    environ: Optional[Mapping[str, str]] = None,
+) -> NodeConfig:
+    """Load, merge, validate (pure), then check against this host; the CLI,
+    the twistd plugin and reload all call this."""
+    raw = load_yaml(path)
+    if override_path:
+        raw = deep_merge(raw, load_yaml(override_path))
+    return check_environment(parse(raw), raw, check_files=check_files, environ=environ)
+
+
+# --------------------------------------------------------------------------
+# Pure validation: plain data in, a record out
+
+
+def _checked_keys(
+    record: Type[Any], data: Mapping[str, Any], prefix: str, steps: Mapping[str, Callable[[Dict[str, Any]], Any]]
+) -> Dict[str, Any]:
+    """The field values of ``record`` from ``data``, in field order (so the
+    first mistake in that order is the one reported).
+
+    A plain key is checked on its own (absent, or null where that means the
+    default: the field's default); a derived field is computed by its named
+    step in ``steps`` from the values so far.
+    """
+    for field in attr.fields(record):
+        doc = plain_key(field)
+        if doc is not None and doc.required and data.get(field.name) is None:
+            raise ConfigError(f"{prefix}{field.name}: required")
+    values: Dict[str, Any] = {}
+    for field in attr.fields(record):
+        doc = plain_key(field)
+        if doc is None or doc.check is None:
+            values[field.name] = steps[field.name](values)
+        elif field.name in data and not (doc.nullable and data[field.name] is None):
+            values[field.name] = doc.check(prefix + field.name, data[field.name])
+        elif field.default is not attr.NOTHING:
+            values[field.name] = field.default
+    return values
+
+
 #: Structured model fields and every spelling of the llama-server flag each
 #: one sets; ``server_args`` may not set any of them again.
 STRUCTURED_FLAGS: Dict[str, Tuple[str, ...]] = {
@@ -547,118 +716,47 @@ def _server_args(path: str, value: Any, model: Mapping[str, Any]) -> Tuple[Tuple
     return tuple(result)
 
 
-def _validate_model(i: int, data: Any, check_files: bool) -> ModelConfig:
+
+def _model(i: int, data: Any) -> ModelConfig:
     prefix = f"models[{i}]."
     if not isinstance(data, dict):
         raise _fail(f"models[{i}]", "a mapping", data)
     _unknown_keys(data, MODEL_KEYS, prefix)
-    for required in ("model_id", "path"):
-        if data.get(required) is None:
-            raise ConfigError(f"{prefix}{required}: required")
-    model_id = _string(prefix + "model_id", data["model_id"])
-    model_path = _string(prefix + "path", data["path"])
-    if check_files:
-        if not os.path.exists(model_path):
-            raise ConfigError(f"{prefix}path: file not found: {_show(model_path)}")
-        if not os.path.isfile(model_path):
-            raise ConfigError(f"{prefix}path: not a regular file: {_show(model_path)}")
-    roles = _string_list(prefix + "roles", data.get("roles") or [])
-
-    gpu_layers = data.get("gpu_layers")
-    if gpu_layers is not None and gpu_layers not in ("auto", "all"):
-        _non_negative_int(prefix + "gpu_layers", gpu_layers)
-
-    tensor_split = data.get("tensor_split")
-    if tensor_split is not None:
-        if not isinstance(tensor_split, list) or not tensor_split or not all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in tensor_split
-        ):
-            raise _fail(prefix + "tensor_split", "a non-empty list of non-negative numbers", tensor_split)
-        tensor_split = tuple(tensor_split)
-
-    flash_attn = data.get("flash_attn")
-    if flash_attn is not None:
-        if flash_attn is True:
-            flash_attn = "on"
-        elif flash_attn is False:
-            flash_attn = "off"
-        else:
-            flash_attn = _choice(prefix + "flash_attn", flash_attn, ("on", "off", "auto"))
-
-    preload = _boolean(prefix + "preload", data.get("preload", False))
-
-    devices = _string_list(prefix + "devices", data.get("devices") or [])
-    for j, name in enumerate(devices):
-        if name in devices[:j]:
-            raise ConfigError(f"{prefix}devices[{j}]: {_show(name)} is listed twice")
-
-    keep_loaded = "idle_unload_s" in data and data["idle_unload_s"] is None
-
-    return ModelConfig(
-        model_id=model_id,
-        path=model_path,
-        roles=roles,
-        alias=_optional(data, "alias", prefix, _string),
-        ctx_size=_optional(data, "ctx_size", prefix, _positive_int),
-        batch_size=_optional(data, "batch_size", prefix, _positive_int),
-        ubatch_size=_optional(data, "ubatch_size", prefix, _positive_int),
-        threads=_optional(data, "threads", prefix, _positive_int),
-        threads_batch=_optional(data, "threads_batch", prefix, _positive_int),
-        gpu_layers=gpu_layers,
-        main_gpu=_optional(data, "main_gpu", prefix, _non_negative_int),
-        tensor_split=tensor_split,
-        flash_attn=flash_attn,
-        server_args=_server_args(prefix + "server_args", data.get("server_args") or {}, data),
-        preload=preload,
-        idle_unload_s=_optional(data, "idle_unload_s", prefix, _positive_number),
-        inference_probe_interval_s=_optional(data, "inference_probe_interval_s", prefix, _positive_number),
-        keep_loaded=keep_loaded,
-        devices=tuple(devices),
-    )
+    return ModelConfig(**_checked_keys(ModelConfig, data, prefix, {
+        "server_args": lambda _: _server_args(prefix + "server_args", data.get("server_args") or {}, data),
+        "keep_loaded": lambda _: "idle_unload_s" in data and data["idle_unload_s"] is None,
+    }))
 
 
-def default_state_dir(environ: Mapping[str, str]) -> str:
-    base = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "rolemesh-node")
+def _models(value: Any) -> Tuple[ModelConfig, ...]:
+    """``models``: each entry checked, then no name used twice."""
+    raw_models = value or []
+    if not isinstance(raw_models, list):
+        raise _fail("models", "a list of model entries", raw_models)
+    models = tuple(_model(i, m) for i, m in enumerate(raw_models))
+    names: Dict[str, str] = {}
+    for i, m in enumerate(models):
+        for key_name, name in (("model_id", m.model_id), ("alias", m.alias)):
+            if name is None:
+                continue
+            if name in names and not (key_name == "alias" and names[name] == f"models[{i}].model_id"):
+                here, other = f"models[{i}].{key_name}", names[name]
+                if key_name == "model_id" and other.endswith(".model_id"):
+                    raise ConfigError(f"{here}: duplicate model_id {_show(name)} (also {other})")
+                raise ConfigError(f"{here}: {_show(name)} already names another model ({other})")
+            names[name] = f"models[{i}].{key_name}"
+    return models
 
 
-def _resolve_binary(value: Optional[str], check_files: bool) -> Optional[str]:
-    if value is None:
-        return None
-    value = _string("llama_server_bin", value)
-    if not check_files:
-        return value
-    if os.sep not in value:
-        found = shutil.which(value)
-        if found is None:
-            raise ConfigError(f"llama_server_bin: {_show(value)} not found on PATH")
-        return found
-    if not os.path.isfile(value) or not os.access(value, os.X_OK):
-        raise ConfigError(f"llama_server_bin: not an executable file: {_show(value)}")
-    return value
-
-
-def _api_keys(data: Mapping[str, Any], environ: Mapping[str, str], check_files: bool) -> Tuple[str, ...]:
+def _api_keys(data: Mapping[str, Any]) -> Tuple[str, ...]:
+    """``api_keys`` from ``api_key`` and ``api_keys``; the ``api_key_env`` and
+    ``api_key_file`` names are checked here and read by :func:`check_environment`."""
     keys: List[str] = []
     if data.get("api_key") is not None:
         keys.append(_string("api_key", data["api_key"]))
     keys.extend(_string_list("api_keys", data.get("api_keys") or []))
-    env_name = _optional(data, "api_key_env", "", _string)
-    if env_name is not None:
-        value = environ.get(env_name, "").strip()
-        if not value:
-            raise ConfigError(f"api_key_env: environment variable {env_name} is not set or empty")
-        keys.append(value)
-    key_file = _optional(data, "api_key_file", "", _string)
-    if key_file is not None and check_files:
-        try:
-            with open(key_file, encoding="utf-8") as f:
-                from_file = [line.strip() for line in f if line.strip() and not line.startswith("#")]
-        except OSError as e:
-            raise ConfigError(f"api_key_file: cannot read {_show(key_file)}: {e.strerror}") from None
-        if not from_file:
-            raise ConfigError(f"api_key_file: {_show(key_file)} holds no key")
-        keys.extend(from_file)
+    _optional(data, "api_key_env", "", _string)
+    _optional(data, "api_key_file", "", _string)
     return tuple(dict.fromkeys(keys))
 
 
@@ -696,22 +794,36 @@ def _endpoint_port(path: str, text: Optional[str]) -> int:
     return int(text)
 
 
-def _listener(
-    data: Mapping[str, Any], host: str, port: int, check_files: bool
-) -> Tuple[Optional[str], str, int, Optional[ServerTLSFiles]]:
-    """``listen`` and the ``tls_*`` keys: (endpoint or None, host, port, TLS files).
+
+def _endpoint_kind(listen: str) -> str:
+    positional, _ = split_endpoint_description(listen)
+    return positional[0].lower() if positional else ""
+
+
+def _parse_endpoint(listen: str) -> None:
+    from twisted.internet.endpoints import serverFromString
+
+    try:
+        serverFromString(None, listen)
+    except Exception as e:  # noqa: BLE001 - Twisted says ValueError, TypeError, KeyError...
+        raise ConfigError(f"listen: {_show(listen)} is not a usable endpoint description: "
+                          f"{type(e).__name__}: {e}") from None
+
+
+def _listener(values: Mapping[str, Any]) -> Dict[str, Any]:
+    """``listen`` and the ``tls_*`` keys checked together: the listener fields.
 
     An ``ssl:`` description is turned into ``tcp:`` plus TLS files, so every
     TLS listener gets the agent's own TLS (TLS 1.2 at least, client
     certificates, reload).  For TCP descriptions host and port are taken
     from the description (they feed ``advertise_url`` and the
-    unauthenticated-listener warning).
+    unauthenticated-listener warning).  Other kinds (``unix:``...) are
+    parsed by :func:`check_environment`, which may load plugins.
     """
-    cert = _optional(data, "tls_cert_file", "", _string)
-    key = _optional(data, "tls_key_file", "", _string)
-    client_ca = _optional(data, "tls_client_ca_file", "", _string)
-    listen = _optional(data, "listen", "", _string)
-    if key is not None and cert is None:
+    cert, key_file = values["tls_cert_file"], values["tls_key_file"]
+    client_ca, listen = values["tls_client_ca_file"], values["listen"]
+    host, port = values["listen_host"], values["listen_port"]
+    if key_file is not None and cert is None:
         raise ConfigError("tls_key_file: set tls_cert_file too (the certificate the key belongs to)")
     if listen is not None:
         positional, options = split_endpoint_description(listen)
@@ -724,10 +836,10 @@ def _listener(
             if unknown:
                 raise ConfigError(f"listen: ssl option {unknown[0]} is not supported by the agent "
                                   f"(supported: {', '.join(_SSL_OPTIONS)}; put intermediates in the certKey file)")
-            key = options.get("privateKey")
-            if not key:
+            key_file = options.get("privateKey")
+            if not key_file:
                 raise ConfigError("listen: an ssl: description needs privateKey=<PEM key file>")
-            cert = options.get("certKey") or key
+            cert = options.get("certKey") or key_file
             port_text = positional[1] if len(positional) > 1 else options.get("port")
             listen = "tcp:" + str(_endpoint_port("listen", port_text)) + "".join(
                 f":{name}={escape_endpoint_value(options[name])}" for name in ("interface", "backlog")
@@ -737,34 +849,140 @@ def _listener(
         if kind in ("tcp", "tcp6"):
             port = _endpoint_port("listen", positional[1] if len(positional) > 1 else options.get("port"))
             host = options.get("interface") or ("0.0.0.0" if kind == "tcp" else "::")
-        if check_files or kind in ("tcp", "tcp6"):
-            from twisted.internet.endpoints import serverFromString
-
-            try:
-                serverFromString(None, listen)
-            except Exception as e:  # noqa: BLE001 - Twisted says ValueError, TypeError, KeyError...
-                raise ConfigError(f"listen: {_show(listen)} is not a usable endpoint description: "
-                                  f"{type(e).__name__}: {e}") from None
+            _parse_endpoint(listen)
     if cert is None:
         if client_ca is not None:
             raise ConfigError("tls_client_ca_file: needs tls_cert_file (mutual TLS is on top of TLS)")
-        return listen, host, port, None
-    return listen, host, port, ServerTLSFiles(cert, key or cert, client_ca)
+        return {"listen": listen, "listen_host": host, "listen_port": port}
+    return {"listen": listen, "listen_host": host, "listen_port": port,
+            "tls_cert_file": cert, "tls_key_file": key_file or cert, "tls_client_ca_file": client_ca}
 
 
 _DISPATCHER_TLS_KEYS = ("dispatcher_ca_file", "dispatcher_client_cert_file", "dispatcher_client_key_file")
 
 
-def _dispatcher_tls(data: Mapping[str, Any], url: Optional[str]) -> Dict[str, Optional[str]]:
+def _dispatcher_tls(values: Mapping[str, Any]) -> None:
     """The dispatcher_* TLS keys, checked against each other and the URL."""
-    files = {key: _optional(data, key, "", _string) for key in _DISPATCHER_TLS_KEYS}
-    if files["dispatcher_client_key_file"] is not None and files["dispatcher_client_cert_file"] is None:
+    url = values["dispatcher_base_url"]
+    if values["dispatcher_client_key_file"] is not None and values["dispatcher_client_cert_file"] is None:
         raise ConfigError("dispatcher_client_key_file: set dispatcher_client_cert_file too")
-    used = [key for key, value in files.items() if value is not None]
+    used = [name for name in _DISPATCHER_TLS_KEYS if values[name] is not None]
     if used and not (url or "").startswith("https://"):
         raise ConfigError(f"{used[0]}: only used with an https:// dispatcher_base_url, "
                           f"got {_show(url) if url else 'none'}")
-    return files
+
+
+def parse(data: Mapping[str, Any]) -> NodeConfig:
+    """Merged YAML data as a :class:`NodeConfig`, or ConfigError; pure (no I/O).
+
+    What only the host can say is left for :func:`check_environment`:
+    ``node_id``, ``advertise_url`` and ``state_dir`` stay ``""`` when unset,
+    ``llama_server_bin`` is as written, and ``api_keys`` lacks the keys from
+    ``api_key_env`` and ``api_key_file``.
+    """
+    _unknown_keys(data, TOP_LEVEL_KEYS, "")
+    values = _checked_keys(NodeConfig, data, "", {
+        "models": lambda _: _models(data.get("models")),
+        "api_keys": lambda _: _api_keys(data),
+        "preload": lambda so_far: _preload(data.get("preload"), so_far["models"]),
+    })
+    values.update(_listener(values))
+    _dispatcher_tls(values)
+    return NodeConfig(**values)
+
+
+# --------------------------------------------------------------------------
+# The environment: what only this host can say
+
+
+def default_state_dir(environ: Mapping[str, str]) -> str:
+    base = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "rolemesh-node")
+
+
+def default_advertise_url(config: NodeConfig, fqdn: Callable[[], str]) -> str:
+    """``http(s)://<listen_host>:<listen_port>``; a wildcard host becomes ``fqdn()``."""
+    host = config.listen_host
+    if host in ("0.0.0.0", "::", ""):
+        host = fqdn()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{'https' if config.tls else 'http'}://{host}:{config.listen_port}"
+
+
+def _resolve_binary(value: Optional[str], check_files: bool) -> Optional[str]:
+    if value is None or not check_files:
+        return value
+    if os.sep not in value:
+        found = shutil.which(value)
+        if found is None:
+            raise ConfigError(f"llama_server_bin: {_show(value)} not found on PATH")
+        return found
+    if not os.path.isfile(value) or not os.access(value, os.X_OK):
+        raise ConfigError(f"llama_server_bin: not an executable file: {_show(value)}")
+    return value
+
+
+def _check_model_files(models: Tuple[ModelConfig, ...]) -> None:
+    for i, model in enumerate(models):
+        if not os.path.exists(model.path):
+            raise ConfigError(f"models[{i}].path: file not found: {_show(model.path)}")
+        if not os.path.isfile(model.path):
+            raise ConfigError(f"models[{i}].path: not a regular file: {_show(model.path)}")
+
+
+def _environment_api_keys(
+    keys: Tuple[str, ...], data: Mapping[str, Any], environ: Mapping[str, str], check_files: bool
+) -> Tuple[str, ...]:
+    """``keys`` plus the one in ``api_key_env`` and those in ``api_key_file``."""
+    more: List[str] = []
+    env_name = data.get("api_key_env")
+    if env_name is not None:
+        value = environ.get(env_name, "").strip()
+        if not value:
+            raise ConfigError(f"api_key_env: environment variable {env_name} is not set or empty")
+        more.append(value)
+    key_file = data.get("api_key_file")
+    if key_file is not None and check_files:
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                from_file = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        except OSError as e:
+            raise ConfigError(f"api_key_file: cannot read {_show(key_file)}: {e.strerror}") from None
+        if not from_file:
+            raise ConfigError(f"api_key_file: {_show(key_file)} holds no key")
+        more.extend(from_file)
+    return tuple(dict.fromkeys(keys + tuple(more)))
+
+
+def check_environment(
+    config: NodeConfig,
+    data: Mapping[str, Any],
+    *,
+    check_files: bool = True,
+    environ: Optional[Mapping[str, str]] = None,
+) -> NodeConfig:
+    """``config`` (from :func:`parse` of ``data``) completed and checked against this host.
+
+    Fills in the host name, the advertised URL (a wildcard listener resolves
+    the FQDN), the state directory and the API keys from the environment.
+    With ``check_files`` (off for unit tests and documentation examples) it
+    also resolves ``llama_server_bin`` on ``$PATH``, checks model files exist,
+    reads ``api_key_file`` and parses non-TCP ``listen`` descriptions.
+    """
+    env = os.environ if environ is None else environ
+    if check_files:
+        if config.listen is not None and _endpoint_kind(config.listen) not in ("tcp", "tcp6"):
+            _parse_endpoint(config.listen)
+        _check_model_files(config.models)
+    return attr.evolve(
+        config,
+        node_id=config.node_id or socket.gethostname(),
+        advertise_url=config.advertise_url or default_advertise_url(config, socket.getfqdn),
+        llama_server_bin=_resolve_binary(config.llama_server_bin, check_files),
+        api_keys=_environment_api_keys(config.api_keys, data, env, check_files),
+        state_dir=os.path.expanduser(config.state_dir or default_state_dir(env)),
+    )
 
 
 def validate(
@@ -773,110 +991,15 @@ def validate(
     check_files: bool = True,
     environ: Optional[Mapping[str, str]] = None,
 ) -> NodeConfig:
-    """Turn merged YAML data into a :class:`NodeConfig` or raise ConfigError.
+    """:func:`parse` then :func:`check_environment`: data to a complete
+    :class:`NodeConfig`, or ConfigError.
 
     ``check_files=False`` skips checks that touch the filesystem (model paths,
     the binary, key files), for unit tests and documentation examples.
     """
-    env = os.environ if environ is None else environ
-    _unknown_keys(data, TOP_LEVEL_KEYS, "")
+    return check_environment(parse(data), data, check_files=check_files, environ=environ)
 
-    node_id = _optional(data, "node_id", "", _string) or socket.gethostname()
-    listen_host = _optional(data, "listen_host", "", _string) or "127.0.0.1"
-    listen_port = data.get("listen_port", 8090)
-    if isinstance(listen_port, bool) or not isinstance(listen_port, int) or not 0 <= listen_port <= 65535:
-        raise _fail("listen_port", "a port number 0-65535", listen_port)
-    listen, listen_host, listen_port, tls = _listener(data, listen_host, listen_port, check_files)
-    advertise_url = _optional(data, "advertise_url", "", _url)
-    if advertise_url is None:
-        host = listen_host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.getfqdn()
-        if ":" in host:
-            host = f"[{host}]"
-        advertise_url = f"{'https' if tls else 'http'}://{host}:{listen_port}"
 
-    backend = _choice("backend", data.get("backend", "auto"), BACKENDS)
-    devices = data.get("devices")
-    if devices is not None:
-        devices = _string_list("devices", devices)
-        if not devices:
-            raise _fail("devices", "a non-empty list of device names (or leave it unset)", [])
-    cpu_devices = data.get("cpu_devices")
-    if cpu_devices is not None and cpu_devices != "numa":
-        if isinstance(cpu_devices, bool) or not isinstance(cpu_devices, int) or cpu_devices <= 0:
-            raise _fail("cpu_devices", '"numa" or a positive integer', cpu_devices)
-
-    raw_models = data.get("models") or []
-    if not isinstance(raw_models, list):
-        raise _fail("models", "a list of model entries", raw_models)
-    models = tuple(_validate_model(i, m, check_files) for i, m in enumerate(raw_models))
-    names: Dict[str, str] = {}
-    for i, m in enumerate(models):
-        for key, name in (("model_id", m.model_id), ("alias", m.alias)):
-            if name is None:
-                continue
-            if name in names and not (key == "alias" and names[name] == f"models[{i}].model_id"):
-                here, other = f"models[{i}].{key}", names[name]
-                if key == "model_id" and other.endswith(".model_id"):
-                    raise ConfigError(f"{here}: duplicate model_id {_show(name)} (also {other})")
-                raise ConfigError(f"{here}: {_show(name)} already names another model ({other})")
-            names[name] = f"models[{i}].{key}"
-
-    idle = data.get("idle_unload_s")
-    return NodeConfig(
-        node_id=node_id,
-        listen_host=listen_host,
-        listen_port=listen_port,
-        listen=listen,
-        tls_cert_file=tls.cert_file if tls else None,
-        tls_key_file=tls.key_file if tls else None,
-        tls_client_ca_file=tls.client_ca_file if tls else None,
-        advertise_url=advertise_url,
-        backend=backend,
-        devices=devices,
-        cpu_devices=cpu_devices,
-        llama_server_bin=_resolve_binary(data.get("llama_server_bin"), check_files),
-        llama_server_startup_timeout_s=_positive_number(
-            "llama_server_startup_timeout_s", data.get("llama_server_startup_timeout_s", 30.0)
-        ),
-        llama_server_probe_interval_s=_positive_number(
-            "llama_server_probe_interval_s", data.get("llama_server_probe_interval_s", 0.5)
-        ),
-        llama_server_stall_timeout_s=_positive_number(
-            "llama_server_stall_timeout_s", data.get("llama_server_stall_timeout_s", 20.0)
-        ),
-        llama_server_stop_timeout_s=_positive_number(
-            "llama_server_stop_timeout_s", data.get("llama_server_stop_timeout_s", 5.0)
-        ),
-        max_pending_requests_per_device=_positive_int(
-            "max_pending_requests_per_device", data.get("max_pending_requests_per_device", 2)
-        ),
-        device_memory_reserve_bytes=_non_negative_int(
-            "device_memory_reserve_bytes", data.get("device_memory_reserve_bytes", 0)
-        ),
-        dispatcher_base_url=_optional(data, "dispatcher_base_url", "", _url),
-        **_dispatcher_tls(data, _optional(data, "dispatcher_base_url", "", _url)),
-        heartbeat_interval_s=_positive_number("heartbeat_interval_s", data.get("heartbeat_interval_s", 5.0)),
-        api_keys=_api_keys(data, env, check_files),
-        dispatcher_token=_optional(data, "dispatcher_token", "", _string),
-        require_auth_off_loopback=_boolean("require_auth_off_loopback", data.get("require_auth_off_loopback", False)),
-        max_request_body_bytes=_positive_int(
-            "max_request_body_bytes", data.get("max_request_body_bytes", 8 * 1024 * 1024)
-        ),
-        max_connections=_positive_int("max_connections", data.get("max_connections", 1024)),
-        request_read_timeout_s=_positive_number("request_read_timeout_s", data.get("request_read_timeout_s", 30.0)),
-        idle_timeout_s=_positive_number("idle_timeout_s", data.get("idle_timeout_s", 60.0)),
-        queue_timeout_s=_positive_number("queue_timeout_s", data.get("queue_timeout_s", 300.0)),
-        stream_idle_timeout_s=_positive_number("stream_idle_timeout_s", data.get("stream_idle_timeout_s", 120.0)),
-        request_timeout_s=_positive_number("request_timeout_s", data.get("request_timeout_s", 600.0)),
-        shutdown_grace_s=_non_negative_number("shutdown_grace_s", data.get("shutdown_grace_s", 30.0)),
-        idle_unload_s=None if idle is None else _positive_number("idle_unload_s", idle),
-        state_dir=os.path.expanduser(_optional(data, "state_dir", "", _string) or default_state_dir(env)),
-        log_format=_choice("log_format", data.get("log_format", "text"), LOG_FORMATS),
-        models=models,
-        preload=_preload(data.get("preload"), models),
-    )
 
 
 def redacted(data: Mapping[str, Any]) -> Dict[str, Any]:

@@ -148,8 +148,11 @@ class CpuBackendTests(SynchronousTestCase):
         self.assertEqual(backend.child_arguments(devices[1]), {"cpu-range": "1-1", "threads": 1})
         self.assertEqual({d.memory_total_bytes for d in devices}, {MEMTOTAL})
 
-    def test_cpu_devices_as_text(self) -> None:
-        self.assertEqual(len(self.backend(cpu_devices="2").discover()), 2)
+    def test_cpu_devices_as_text_is_refused_like_the_config_key(self) -> None:
+        # One check (rolemesh.config.check_cpu_devices) for the key and the
+        # backend: the config never passed text, so the backend takes none.
+        e = self.assertRaises(ConfigError, self.backend, cpu_devices="2")
+        self.assertEqual(str(e), 'cpu_devices: expected "numa" or a positive integer, got "2"')
 
     def test_more_groups_than_cores(self) -> None:
         e = self.assertRaises(BackendUnavailable, self.backend(cpu_devices=3).discover)

@@ -6,26 +6,35 @@ the key path, what was expected, and the bad value.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
+import shutil
 import socket
 import stat
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import attr
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
+import rolemesh.config
 from rolemesh.config import (
     MODEL_KEYS,
     TOP_LEVEL_KEYS,
+    ModelConfig,
     NodeConfig,
     as_dict,
+    check_environment,
     deep_merge,
     load_config,
     load_yaml,
+    parse,
+    plain_key,
     redacted,
+    render_default,
     validate,
 )
 from rolemesh.errors import ConfigError
@@ -1223,3 +1232,96 @@ class PreloadListTests(SynchronousTestCase):
         with self.assertRaises(ConfigError) as e:
             self.config("a")
         self.assertIn("preload: expected a list", str(e.exception))
+
+
+# --------------------------------------------------------------------------
+# One declaration per key; pure validation, then the environment step
+
+
+class DeclarationTests(SynchronousTestCase):
+    """Each key's check, default and documentation row come from one
+    declaration (``rolemesh.config.key``), so they cannot disagree."""
+
+    def test_documented_defaults_render_the_record_defaults(self) -> None:
+        for record in (NodeConfig, ModelConfig):
+            for field in attr.fields(record):
+                doc = plain_key(field)
+                if doc is None or field.default in (None, "", (), attr.NOTHING):
+                    continue  # "unset", "the host name", "llama-server's"...: said in words
+                self.assertTrue(doc.default.startswith(render_default(field.default)), (field.name, doc.default))
+
+    def test_absent_keys_are_the_record_defaults(self) -> None:
+        self.assertEqual(parse({}), NodeConfig())
+        self.assertEqual(parse({"models": [model()]}).models[0],
+                         ModelConfig(model_id="coder", path="/models/coder.gguf"))
+
+    def test_every_top_level_key_is_checked_once(self) -> None:
+        """Each documented key names a plain field or a derived one's input, once."""
+        plain = {f.name for f in attr.fields(NodeConfig) if plain_key(f) is not None}
+        self.assertLessEqual(plain, {k.name for k in TOP_LEVEL_KEYS})
+        self.assertIn("cpu_devices", plain)
+
+
+def refuse(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("parse() asked the host")
+
+
+class PureParseTests(SynchronousTestCase):
+    """``parse`` does no I/O; ``check_environment`` asks the host."""
+
+    HOSTY = {
+        "listen_host": "0.0.0.0",
+        "listen": "unix:/run/agent.sock",
+        "llama_server_bin": "llama-server",
+        "api_key": "k1",
+        "api_key_env": "ROLEMESH_KEY",
+        "api_key_file": "/etc/rolemesh/keys",
+        "state_dir": "~/rm",
+        "models": [model()],
+    }
+
+    @contextmanager
+    def refusing_io(self) -> Iterator[None]:
+        """Every host question parse() could ask raises while inside."""
+        patched = [(socket, "getfqdn"), (socket, "gethostname"), (shutil, "which"), (os.path, "exists"),
+                   (os.path, "isfile"), (os.path, "expanduser"), (os, "access"), (builtins, "open")]
+        saved = [getattr(module, name) for module, name in patched]
+        for module, name in patched:
+            setattr(module, name, refuse)
+        try:
+            yield
+        finally:
+            for (module, name), original in zip(patched, saved):
+                setattr(module, name, original)
+
+    def test_parse_asks_nothing_of_the_host(self) -> None:
+        with self.refusing_io():
+            config = parse(self.HOSTY)
+        self.assertEqual((config.node_id, config.advertise_url, config.state_dir), ("", "", "~/rm"))
+        self.assertEqual((config.llama_server_bin, config.api_keys), ("llama-server", ("k1",)))
+
+    @given(st.dictionaries(st.sampled_from([k.name for k in TOP_LEVEL_KEYS]), values, max_size=5))
+    def test_parse_of_anything_asks_nothing(self, data: dict) -> None:
+        with self.refusing_io():
+            try:
+                parse(data)
+            except ConfigError:
+                pass
+
+    def test_check_environment_fills_in_the_host(self) -> None:
+        self.patch(rolemesh.config.socket, "getfqdn", lambda: "node.example")
+        self.patch(rolemesh.config.socket, "gethostname", lambda: "node")
+        data = {"listen_host": "0.0.0.0", "api_key": "k1", "api_key_env": "K"}
+        config = check_environment(parse(data), data, check_files=False,
+                                   environ={"K": "k2", "XDG_STATE_HOME": "/var/state"})
+        self.assertEqual(config.node_id, "node")
+        self.assertEqual(config.advertise_url, "http://node.example:8090")
+        self.assertEqual(config.state_dir, "/var/state/rolemesh-node")
+        self.assertEqual(config.api_keys, ("k1", "k2"))
+
+    def test_load_config_runs_both_steps(self) -> None:
+        path = self.mktemp()
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("api_key_env: K\n")
+        e = self.assertRaises(ConfigError, load_config, path, environ={})
+        self.assertEqual(str(e), "api_key_env: environment variable K is not set or empty")

@@ -17,8 +17,8 @@ from twisted.internet.defer import Deferred, succeed
 from zope.interface import implementer
 
 from rolemesh.backends import BackendUnavailable
+from rolemesh.config import check_cpu_devices
 from rolemesh.devices import DeviceMetrics, DeviceRef
-from rolemesh.errors import ConfigError
 from rolemesh.interfaces import IDeviceBackend
 
 
@@ -90,8 +90,7 @@ def parse_cpuinfo(text: str) -> Tuple[Optional[str], Optional[str]]:
 
 def split_cores(cores: Sequence[int], groups: int) -> List[Tuple[int, ...]]:
     """Split ``cores`` into ``groups`` contiguous groups as evenly as possible."""
-    if groups < 1:
-        raise ConfigError(f'cpu_devices: expected "numa" or a positive integer, got {groups!r}')
+    check_cpu_devices("cpu_devices", groups)
     if groups > len(cores):
         raise BackendUnavailable(
             f"cpu_devices: {groups} groups asked for, but only {len(cores)} cores are available"
@@ -166,15 +165,7 @@ class CpuBackend:
         sysfs_root: str = "/sys",
         proc_root: str = "/proc",
     ) -> None:
-        if cpu_devices is not None and cpu_devices != "numa":
-            try:
-                count = int(cpu_devices)
-            except (TypeError, ValueError):
-                count = 0
-            if isinstance(cpu_devices, bool) or count < 1:
-                raise ConfigError(f'cpu_devices: expected "numa" or a positive integer, got {cpu_devices!r}')
-            cpu_devices = count
-        self._cpu_devices = cpu_devices
+        self._cpu_devices = None if cpu_devices is None else check_cpu_devices("cpu_devices", cpu_devices)
         self._reactor = reactor
         self._read = read
         self._allowed = allowed_cores or _allowed_cores
