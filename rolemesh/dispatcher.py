@@ -7,14 +7,13 @@ failure is absorbed and turned into a retry, and the log speaks once per
 change of the dispatcher's health, not once per attempt.
 
 The decisions (how long to wait, what a status code means) are pure and live
-in :class:`Backoff` and :func:`classify`; :class:`DispatcherClient` only does
+in :class:`~rolemesh.backoff.Backoff` and :func:`classify`; :class:`DispatcherClient` only does
 the I/O, on an injected reactor with an injected ``treq``-like client, so the
 tests drive it with ``task.Clock`` and ``treq.testing.StubTreq``.
 """
 
 from __future__ import annotations
 
-import math
 import random as _random
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from rolemesh import __version__
+from rolemesh.backoff import Backoff
 from rolemesh.http_client import quiet_pool, quiet_treq
 from rolemesh.payloads import deregistration_payload
 from rolemesh.tls import describe_tls_failure
@@ -47,44 +47,6 @@ UNREACHABLE = "unreachable"
 
 _TRANSIENT_CODES = frozenset({408, 425, 429})
 _MAX_DETAIL = 200
-
-
-class Backoff:
-    """Capped exponential backoff with full jitter.
-
-    The n-th consecutive delay is drawn uniformly from ``[0, min(cap, base *
-    2**n)]`` ("full jitter"), so a fleet of nodes that lost the same
-    dispatcher does not come back in lock-step.  ``random`` is injected (a
-    callable returning a float in ``[0, 1)``) so tests can pin it.
-    """
-
-    def __init__(self, base: float, cap: float, random: Callable[[], float] = _random.random) -> None:
-        if not (math.isfinite(base) and math.isfinite(cap)) or base <= 0 or cap < base:
-            raise ValueError(f"backoff needs 0 < base <= cap, both finite; got base={base!r}, cap={cap!r}")
-        self.base = base
-        self.cap = cap
-        self._random = random
-        self._ceiling = base
-        #: Delays handed out since the last :meth:`reset`.
-        self.attempts = 0
-
-    @property
-    def ceiling(self) -> float:
-        """The upper bound of the next delay."""
-        return self._ceiling
-
-    def next_delay(self) -> float:
-        """Return the next delay in seconds and grow the ceiling (up to the cap)."""
-        ceiling = self._ceiling
-        delay = min(ceiling, max(0.0, self._random() * ceiling))
-        self._ceiling = min(self.cap, ceiling * 2)
-        self.attempts += 1
-        return delay
-
-    def reset(self) -> None:
-        """Start over from ``base``: called after any success."""
-        self._ceiling = self.base
-        self.attempts = 0
 
 
 def classify(kind: str, code: int | None) -> str:

@@ -41,6 +41,7 @@ from twisted.python.failure import Failure
 
 from rolemesh import diagnosis, errors
 from rolemesh.backends.groups import group_name, pin_child
+from rolemesh.backoff import load_retry_delay, restart_delay
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceRef
 from rolemesh.interfaces import IDeviceBackend
@@ -75,34 +76,6 @@ _READY_HINTS = (b"listening on http", b"model loaded", b"all slots are idle")
 #: the ring buffer that the logs endpoint serves.
 _IMPORTANT = re.compile(rb"^\s*[\d.]+ E |error|failed|assert|abort", re.IGNORECASE)
 _BIND_FAILURE = re.compile(r"couldn't bind|address already in use", re.IGNORECASE)
-
-
-def restart_delay(failures: int, base: float = 1.0, cap: float = 60.0) -> float:
-    """Seconds to wait before the next start after ``failures`` in a row.
-
-    The first failure is retried at once (a one-off crash costs nothing);
-    after that the delay doubles from ``base`` up to ``cap``.
-    """
-    if failures <= 1:
-        return 0.0
-    return min(cap, base * 2.0 ** (failures - 2))
-
-
-def load_retry_delay(failures: int, first: float = 15.0, repeat: float = 300.0, cap: float = 600.0) -> float:
-    """Seconds to wait before loading a model again after ``failures`` loads
-    in a row ended on their own (bad file, crash at load, timeout).
-
-    Such a failure repeats until a person acts, so there is no free retry:
-    15 s after the first, then 5 minutes, then 10.  From the second failure
-    on, the wait is longer than any client honours as Retry-After (OpenAI's
-    SDK waits up to 2 minutes and gives up beyond that), so clients'
-    automatic retries never each start a failing child.
-    """
-    if failures <= 0:
-        return 0.0
-    if failures == 1:
-        return first
-    return min(cap, repeat * 2.0 ** (failures - 2))
 
 
 def _seconds(delay: float) -> int:
