@@ -27,6 +27,7 @@ from rolemesh import __version__
 from rolemesh.backoff import Backoff
 from rolemesh.http_client import quiet_pool, quiet_treq
 from rolemesh.payloads import deregistration_payload
+from rolemesh.reactor import resolve_reactor
 from rolemesh.tls import describe_tls_failure
 
 REGISTER_PATH = "/v1/nodes/register"
@@ -180,10 +181,7 @@ class DispatcherClient(Service):
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be positive, got {interval!r}")
-        if reactor is None:
-            from twisted.internet import reactor as _global_reactor
-
-            reactor = _global_reactor
+        reactor = resolve_reactor(reactor)  # the HTTP client needs it now
         self.base_url = base_url.rstrip("/")
         #: The base URL without any user:password, for logs and status pages.
         self.display_url = _without_userinfo(self.base_url)

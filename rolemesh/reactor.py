@@ -2,11 +2,21 @@
 
 Library code never imports the global reactor at module level: tests inject
 a Clock or MemoryReactor, and the real reactor is looked up only on first use.
+This module is the one place that lookup happens.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+
+def resolve_reactor(reactor: Any) -> Any:
+    """``reactor`` itself, or the global reactor imported now (never at module import)."""
+    if reactor is None:
+        from twisted.internet import reactor as global_reactor
+
+        return global_reactor
+    return reactor
 
 
 class UsesReactor:
@@ -18,7 +28,5 @@ class UsesReactor:
     @property
     def reactor(self) -> Any:
         if self._reactor is None:
-            from twisted.internet import reactor as global_reactor
-
-            self._reactor = global_reactor
+            self._reactor = resolve_reactor(None)
         return self._reactor

@@ -29,6 +29,7 @@ from twisted.python.failure import Failure
 
 from rolemesh.backends import BackendUnavailable
 from rolemesh.devices import DeviceMetrics, DeviceRef
+from rolemesh.reactor import UsesReactor
 
 #: What a tool run gives back: exit status, standard output, standard error.
 Result = Tuple[int, str, str]
@@ -214,15 +215,6 @@ def checked(tool: str, result: Result) -> str:
     return out
 
 
-def resolve_reactor(reactor: Any) -> Any:
-    """``reactor`` itself, or the global reactor imported now (never at module import)."""
-    if reactor is None:
-        from twisted.internet import reactor as global_reactor
-
-        return global_reactor
-    return reactor
-
-
 # -- shared parsing helpers -------------------------------------------------------------------------
 
 _NUMBER = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)")
@@ -338,7 +330,7 @@ def match_readings(
     return out
 
 
-class CommandBackend:
+class CommandBackend(UsesReactor):
     """Shared plumbing for backends that ask vendor tools: runners, clock and error wording."""
 
     name = "?"
@@ -359,8 +351,7 @@ class CommandBackend:
         self._timeout = timeout
 
     def _clock(self) -> float:
-        self._reactor = resolve_reactor(self._reactor)
-        return float(self._reactor.seconds())
+        return float(self.reactor.seconds())
 
     def _has(self, tool: str) -> bool:
         return bool(self._which(tool))
@@ -377,7 +368,7 @@ class CommandBackend:
 
     def _sample_output(self, argv: Sequence[str]) -> "Deferred[Any]":
         """Run a tool without blocking; fires with its stdout or fails with a ToolError."""
-        d: Deferred[Any] = self._run_async(resolve_reactor(self._reactor), argv, self._timeout)
+        d: Deferred[Any] = self._run_async(self.reactor, argv, self._timeout)
         return d.addCallback(lambda result: checked(argv[0], result))
 
 
@@ -398,7 +389,6 @@ __all__ = [
     "match_readings",
     "missing_metrics",
     "number",
-    "resolve_reactor",
     "run_async",
     "run_sync",
     "tool_environment",

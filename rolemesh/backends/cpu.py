@@ -20,6 +20,7 @@ from rolemesh.backends import BackendUnavailable
 from rolemesh.config import check_cpu_devices
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.interfaces import IDeviceBackend
+from rolemesh.reactor import UsesReactor
 
 
 def parse_meminfo(text: str) -> Dict[str, int]:
@@ -151,7 +152,7 @@ def _sysconf_memory() -> Optional[int]:
 
 
 @implementer(IDeviceBackend)
-class CpuBackend:
+class CpuBackend(UsesReactor):
     """The host's CPUs as one or more devices."""
 
     name = "cpu"
@@ -174,11 +175,7 @@ class CpuBackend:
         self._last_stat: Dict[int, Tuple[int, int]] = {}
 
     def _clock(self) -> float:
-        if self._reactor is None:
-            from twisted.internet import reactor
-
-            self._reactor = reactor
-        return float(self._reactor.seconds())
+        return float(self.reactor.seconds())
 
     def _proc_text(self, name: str) -> Optional[str]:
         try:

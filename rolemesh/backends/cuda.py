@@ -38,7 +38,6 @@ from rolemesh.backends.commands import (
     match_readings,
     missing_metrics,
     number,
-    resolve_reactor,
     run_async,
     run_sync,
 )
@@ -404,7 +403,7 @@ class CudaBackend(CommandBackend):
             return self._to_thread(f, *args)
         from twisted.internet.threads import deferToThreadPool
 
-        reactor = resolve_reactor(self._reactor)
+        reactor = self.reactor
         return deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)
 
     def sample(self, devices: Sequence[DeviceRef]) -> "Deferred[List[DeviceMetrics]]":
