@@ -169,8 +169,11 @@ class BadConfigTests(SynchronousTestCase):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
+        bin_dir = os.path.abspath(self.mktemp())
+        os.makedirs(bin_dir)
+        config = {"listen_port": port, "llama_server_bin": write_fake_llama_server_bin(bin_dir)}
         for command in (console_script, twistd):
-            done = self.run_with(command, {"listen_port": port})
+            done = self.run_with(command, config)
             output = done.stdout + done.stderr
             self.assertEqual(done.returncode, 1, output)
             self.assertNotIn("Traceback", output)
