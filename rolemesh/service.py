@@ -346,9 +346,12 @@ class NodeAgentService(MultiService, UsesReactor):
             await self._stop_step("closing the listener", self.listener.stopService)
         if self.dispatcher is not None and self.dispatcher.running:
             await self._stop_step("deregistering from the dispatcher", self.dispatcher.stopService)
+        # Idle keep-alive connections first: llama-server does not exit on
+        # SIGTERM while a client connection is open (it would cost the whole
+        # stop timeout and a SIGKILL).
+        await self._stop_step("closing connections to the children", self.proxy.close)
         if self.node.running:
             await self._stop_step("stopping the llama-server children", self.node.stopService)
-        await self._stop_step("closing connections to the children", self.proxy.close)
         self._phase = "stopped"
         for sig, previous in self._previous_handlers:
             try:

@@ -67,6 +67,26 @@ class StuckChildTests(SynchronousTestCase):
         self.assertEqual(self.h.reactor.getDelayedCalls(), [])
 
 
+class StopOrderTests(SynchronousTestCase):
+    def test_idle_connections_to_the_children_close_before_the_children_stop(self) -> None:
+        """llama-server does not exit on SIGTERM while a client connection is
+        open: the proxy's idle keep-alive connections must go first."""
+        h = ServiceHarness({"models": [{"model_id": "tiny", "preload": True}]})
+        self.addCleanup(h.cleanup)
+        h.start()
+        h.answer("tiny")
+        order: List[str] = []
+        real_close = h.root.proxy.close
+        h.root.proxy.close = lambda: (order.append("proxy closed"), real_close())[1]  # type: ignore[method-assign]
+        h.root.node.supervisors["gpu:0"].subscribe(
+            lambda s: order.append(f"child {s.state}") if s.state == "stopping" else None)
+        h.stop()
+        self.assertEqual(order[:2], ["proxy closed", "child stopping"])
+        [child] = h.live_children()
+        child.exit(0)
+        h.reactor.advance(0)
+
+
 class OperationsDocTests(SynchronousTestCase):
     """docs/operations.md quotes the lines an operator sees, with the defaults."""
 
