@@ -265,8 +265,9 @@ class DeviceSupervisor(Service, UsesReactor):
         self.load_failures = 0
         self.load_timeouts = 0
         self.crashes = 0
-        #: Loads retried with ``--no-repack`` after a SIGILL.
+        #: Loads retried with ``--no-repack`` after a SIGILL, and when the last was.
         self.safe_mode_retries = 0
+        self.safe_mode_since: Optional[float] = None
         self.last_load_seconds: Optional[float] = None
         self.last_error: Optional[str] = None
         #: What kind of failure ``last_error`` is (a stable code a dispatcher
@@ -737,6 +738,7 @@ class DeviceSupervisor(Service, UsesReactor):
             "cannot run; install the portable build (scripts/install-llama-server.sh)"
         )
         self.safe_mode_retries += 1
+        self.safe_mode_since = self.reactor.seconds()
         log.warn("{message}; retrying once", message=self._safe_mode[model.model_id], device=self.name,
                  model=model.model_id)
         return True

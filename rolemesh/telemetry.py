@@ -385,6 +385,10 @@ def load_progress(lines: Sequence[str], model: str, since: float) -> LoadProgres
 # Typed issues (pure)
 
 
+#: A model serves only with --no-repack after llama-server died of SIGILL.
+SAFE_MODE = "safe_mode"
+
+
 def issue(code: str, message: Optional[str], model: Optional[str], at: Optional[float]) -> Dict[str, Any]:
     return {"code": code, "message": (message or code)[:300], "model": model, "at": at}
 
@@ -399,6 +403,10 @@ def device_issues(supervisor: Any, telemetry: Optional[ChildTelemetry], device_m
         model = supervisor.model.model_id if getattr(supervisor, "model", None) is not None else None
         out.append(issue(code, getattr(supervisor, "last_error", None), model,
                          getattr(supervisor, "last_error_at", None)))
+    model_now = supervisor.model.model_id if getattr(supervisor, "model", None) is not None else None
+    for warning in getattr(supervisor, "warnings", ()):
+        # Serving, but only thanks to --no-repack after a SIGILL: a build to replace.
+        out.append(issue(SAFE_MODE, warning, model_now, getattr(supervisor, "safe_mode_since", None)))
     if telemetry is not None and telemetry.stale:
         out.append(issue(BACKEND_METRICS_STALE, f"llama-server telemetry: {telemetry.error}", telemetry.model,
                          telemetry.stale_since))

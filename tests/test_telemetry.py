@@ -432,6 +432,19 @@ class ReportingTests(SynchronousTestCase):
         self.assertIn("SIGILL", issue["message"])
         HEARTBEAT_SCHEMA.validate(heartbeat_payload("n", 1, 8.0, h.node.device_states()))
 
+    def test_a_model_serving_only_in_safe_mode_is_an_issue(self) -> None:
+        h = NodeTelemetry()
+        d = h.node.acquire(h.nodes.model("a"))
+        h.reactor.advance(2)
+        h.nodes.child().exit(signal=signal.SIGILL)  # retried at once with --no-repack
+        h.nodes.answer("a")
+        self.successResultOf(d).release()
+        (state,) = h.node.device_states()
+        (issue,) = state["issues"]
+        self.assertEqual((issue["code"], issue["model"], issue["at"]), ("safe_mode", "a", 2.0))
+        self.assertIn("--no-repack", issue["message"])
+        HEARTBEAT_SCHEMA.validate(heartbeat_payload("n", 1, 8.0, h.node.device_states()))
+
     def test_device_metrics_stale_is_an_issue(self) -> None:
         h = NodeTelemetry()
         h.nodes.backend.fail_with = RuntimeError("nvml gone")
