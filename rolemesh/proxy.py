@@ -7,7 +7,8 @@ one never waits for buffering.  When the client goes away, the route's
 Deferred is cancelled (Klein does that) and the upstream connection is closed,
 so llama-server stops generating.
 
-Connections to children come from the proxy's own ``HTTPConnectionPool``;
+Requests go to children through :class:`rolemesh.child_http.ChildAgent`, a
+lean HTTP/1.1 client with its own pool of kept-alive connections per child;
 llama-server closes its side after every streamed answer, so a request that
 fails on a stale pooled connection before any byte was sent is retried once.
 """
@@ -23,14 +24,14 @@ from twisted.internet.error import ConnectError
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import HTTPConnectionPool, ResponseDone
+from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import implementer
 
 from rolemesh import errors
-from rolemesh.http_client import quiet_agent, quiet_pool
+from rolemesh.child_http import ChildAgent
 from rolemesh.reactor import UsesReactor
 from rolemesh.twisted_compat import client_disconnected, never_sent
 
@@ -59,6 +60,10 @@ HOP_HEADERS = frozenset(
 )
 
 
+#: The headers of every request to a child (never changed: shared).
+_REQUEST_HEADERS = Headers({b"content-type": [b"application/json"], b"accept": [b"*/*"]})
+
+
 class UpstreamUnreachable(Exception):
     """The child gave no answer at all: refused, or the connection dropped
     before a byte of response (even on a fresh connection, a child that is
@@ -76,11 +81,12 @@ class BytesProducer:
     """An in-memory request body, written at once (no cooperator round-trip)."""
 
     def __init__(self, body: bytes) -> None:
-        self._body = body
+        #: Public: :class:`rolemesh.child_http.ChildAgent` sends it as is.
+        self.body = body
         self.length = len(body)
 
     def startProducing(self, consumer: Any) -> "Deferred[None]":
-        consumer.write(self._body)
+        consumer.write(self.body)
         return defer.succeed(None)
 
     def pauseProducing(self) -> None:
@@ -310,22 +316,20 @@ class Proxy(UsesReactor):
         self._max_per_host = max_per_host
         self._agent = agent
         self._fresh_agent = fresh_agent if fresh_agent is not None else agent
-        self._pool: Optional[HTTPConnectionPool] = None
+        self._pool: Optional[ChildAgent] = None
 
     @property
     def agent(self) -> Any:
         if self._agent is None:
-            self._pool = quiet_pool(self.reactor, persistent=True)
-            self._pool.maxPersistentPerHost = self._max_per_host
-            self._pool.retryAutomatically = False
-            self._agent = quiet_agent(self.reactor, persistent=True, pool=self._pool)
+            self._pool = ChildAgent(self.reactor, persistent=True, max_per_host=self._max_per_host)
+            self._agent = self._pool
         return self._agent
 
     @property
     def fresh_agent(self) -> Any:
         """Requests on a connection of their own (the retry after a stale one)."""
         if self._fresh_agent is None:
-            self._fresh_agent = quiet_agent(self.reactor, persistent=False)
+            self._fresh_agent = ChildAgent(self.reactor, persistent=False)
         return self._fresh_agent
 
     def close(self) -> "Deferred[None]":
@@ -335,9 +339,8 @@ class Proxy(UsesReactor):
         return self._pool.closeCachedConnections()
 
     def _send(self, url: bytes, body: bytes, fresh: bool) -> "Deferred[IResponse]":
-        headers = Headers({b"content-type": [b"application/json"], b"accept": [b"*/*"]})
         agent = self.fresh_agent if fresh else self.agent
-        return agent.request(b"POST", url, headers, BytesProducer(body))
+        return agent.request(b"POST", url, _REQUEST_HEADERS, BytesProducer(body))
 
     def forward(
         self,

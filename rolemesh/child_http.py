@@ -1,0 +1,536 @@
+"""A lean HTTP/1.1 client for the agent's own llama-server children.
+
+``twisted.web.client.Agent`` is general (any server, TLS, redirects, a
+request and a response state machine of several objects, a pool keyed by
+endpoint); per 1-token request it cost about as much CPU as the rest of the
+agent's request path together.  Children are always plain HTTP on a literal
+address the agent chose, and the proxy needs only this: POST a body, get
+status and headers, then the body as it arrives, with the upstream socket as
+the downstream's push producer.  :class:`ChildAgent` does that as an
+``IAgent``, so the proxy (and its tests' fake agents) keep one interface:
+
+* the request goes out in one ``write`` (request line, headers and body);
+* the answer's head is parsed in one pass; a chunked body is decoded per
+  segment received, so the several SSE events one ``recv`` holds reach the
+  body protocol as one ``dataReceived``;
+* connections are kept per child (``max_per_host`` idle ones) and reused
+  while the child keeps them open (llama-server closes its side after every
+  stream, so the proxy retries a request that fails before any byte of an
+  answer on a fresh connection, once).
+
+Failures look like ``Agent``'s, which the proxy classifies:
+``ResponseNeverReceived`` when the connection closed before any byte of an
+answer, ``ResponseFailed`` when it closed mid-answer, the endpoint's
+``ConnectError`` when the child refused, ``CancelledError`` when cancelled;
+a body ends with ``ResponseDone``, ``PotentialDataLoss`` (no framing: ended
+by the close) or ``ResponseFailed``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from twisted.internet.abstract import isIPAddress, isIPv6Address
+from twisted.internet.defer import CancelledError, Deferred, gatherResults, succeed
+from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import Factory, Protocol, connectionDone
+from twisted.python.failure import Failure
+from twisted.web.client import URI, ResponseDone, ResponseFailed, ResponseNeverReceived
+from twisted.web.http import PotentialDataLoss
+from twisted.web.iweb import UNKNOWN_LENGTH
+from zope.interface import implementer
+
+#: The most bytes of status line and headers accepted.
+MAX_HEAD = 65536
+CONNECT_TIMEOUT_S = 30.0
+
+_IDLE, _WAITING, _BODY, _CLOSED = range(4)
+# Body framings.
+_LENGTH, _CHUNKED, _UNTIL_CLOSE, _NONE = range(4)
+# Chunked decoder states.
+_SIZE, _DATA, _DATA_END, _TRAILER = range(4)
+
+
+class BadResponse(Exception):
+    """The child's answer is not HTTP/1.x as this client reads it."""
+
+
+class RawHeaders:
+    """Response headers as received: ``(lower-case name, [values])``.
+
+    The two read methods the proxy uses of ``twisted.web.http_headers.Headers``,
+    without its per-header encoding and sanitising (the proxy copies them into
+    the downstream response's ``Headers``, which does that once)."""
+
+    __slots__ = ("_headers",)
+
+    def __init__(self, headers: Dict[bytes, List[bytes]]) -> None:
+        self._headers = headers
+
+    def getAllRawHeaders(self) -> Iterator[Tuple[bytes, List[bytes]]]:  # noqa: N802 - Headers' name
+        return iter(self._headers.items())
+
+    def getRawHeaders(self, name: bytes, default: Any = None) -> Any:  # noqa: N802 - Headers' name
+        return self._headers.get(name.lower(), default)
+
+    def hasHeader(self, name: bytes) -> bool:  # noqa: N802 - Headers' name
+        return name.lower() in self._headers
+
+
+def parse_head(head: bytes) -> Tuple[bytes, int, bytes, Dict[bytes, List[bytes]]]:
+    """``(version, code, phrase, headers)`` of a response head (no final blank line)."""
+    lines = head.split(b"\r\n")
+    status = lines[0].split(b" ", 2)
+    if len(status) < 2 or not status[0].startswith(b"HTTP/1.") or len(status[1]) != 3 or not status[1].isdigit():
+        raise BadResponse(f"bad status line {lines[0][:80]!r}")
+    headers: Dict[bytes, List[bytes]] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name != name.strip():
+            raise BadResponse(f"bad header line {line[:80]!r}")
+        key = name.lower()
+        values = headers.get(key)
+        if values is None:
+            headers[key] = [value.strip()]
+        else:
+            values.append(value.strip())
+    return status[0], int(status[1]), status[2] if len(status) > 2 else b"", headers
+
+
+@implementer(IPushProducer)
+class _BodyTransport:
+    """What a body protocol sees as its transport: the upstream socket as a
+    push producer (pausing it pauses the child's writes); ``stopProducing``
+    closes the connection, which is how the proxy stops a generation."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: "ChildConnection") -> None:
+        self._conn = conn
+
+    def pauseProducing(self) -> None:  # noqa: N802 - Twisted's name
+        self._conn.pause()
+
+    def resumeProducing(self) -> None:  # noqa: N802 - Twisted's name
+        self._conn.resume()
+
+    def stopProducing(self) -> None:  # noqa: N802 - Twisted's name
+        self._conn.abort()
+
+
+class ChildResponse:
+    """An ``IResponse``-like answer: ``code``, ``phrase``, ``headers``, ``length``, ``deliverBody``."""
+
+    def __init__(self, conn: "ChildConnection", version: bytes, code: int, phrase: bytes, headers: RawHeaders,
+                 length: Any) -> None:
+        self._conn = conn
+        self.version = (b"HTTP", 1, 1 if version == b"HTTP/1.1" else 0)
+        self.code = code
+        self.phrase = phrase
+        self.headers = headers
+        self.length = length
+
+    def deliverBody(self, protocol: Any) -> None:  # noqa: N802 - IResponse's name
+        self._conn.deliver_body(protocol)
+
+
+class ChildConnection(Protocol):
+    """One connection to a child; one request at a time."""
+
+    def __init__(self, pool: "ChildAgent", key: Tuple[str, int]) -> None:
+        self._pool = pool
+        self._key = key
+        self._state = _IDLE
+        self._buf = b""
+        self._result: Optional[Deferred] = None
+        self._reusable = False
+        self._keep_alive = False
+        self._framing = _NONE
+        self._left = 0
+        self._chunk_state = _SIZE
+        self._body: Any = None  # the body protocol, once delivered
+        self._pending: List[bytes] = []  # body bytes that came before deliverBody
+        self._ended: Optional[Failure] = None  # how the body ended, before deliverBody
+        self._paused = False
+        self._lost: List[Deferred] = []
+
+    # -- the pool's side ------------------------------------------------------------------
+
+    def send(self, data: bytes, result: Deferred, keep_alive: bool) -> None:
+        self._state = _WAITING
+        self._buf = b""
+        self._result = result
+        self._keep_alive = keep_alive
+        self._body = None
+        self._pending = []
+        self._ended = None
+        self.transport.write(data)  # type: ignore[union-attr]
+
+    def abort(self) -> None:
+        self._reusable = False
+        if self._state != _CLOSED and self.transport is not None:
+            self.transport.abortConnection()  # type: ignore[attr-defined]
+
+    def pause(self) -> None:
+        if not self._paused and self._state != _CLOSED:
+            self._paused = True
+            self.transport.pauseProducing()  # type: ignore[union-attr]
+
+    def resume(self) -> None:
+        if self._paused and self._state != _CLOSED:
+            self._paused = False
+            self.transport.resumeProducing()  # type: ignore[union-attr]
+
+    def when_lost(self) -> "Deferred[None]":
+        if self._state == _CLOSED:
+            return succeed(None)
+        d: Deferred = Deferred()
+        self._lost.append(d)
+        return d
+
+    # -- bytes from the child ---------------------------------------------------------------
+
+    def dataReceived(self, data: bytes) -> None:  # noqa: N802 - Twisted's name
+        if self._state == _BODY:
+            self._body_data(data)
+        elif self._state == _WAITING:
+            self._head_data(data)
+        else:  # bytes nobody asked for: the connection is not in a state to reuse
+            self.abort()
+
+    def _head_data(self, data: bytes) -> None:
+        buf = self._buf + data if self._buf else data
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > MAX_HEAD:
+                self._fail_head(BadResponse("response head too large"))
+            else:
+                self._buf = buf
+            return
+        try:
+            version, code, phrase, headers = parse_head(buf[:end])
+        except (BadResponse, ValueError) as e:
+            self._fail_head(e)
+            return
+        rest = buf[end + 4:]
+        self._buf = b""
+        if 100 <= code < 200:  # an interim answer: the real one follows
+            if rest:
+                self._head_data(rest)
+            return
+        connection = headers.get(b"connection")
+        keep = self._keep_alive and version == b"HTTP/1.1" and not (
+            connection and any(v.lower() == b"close" for v in connection))
+        length: Any = UNKNOWN_LENGTH
+        te = headers.get(b"transfer-encoding")
+        if code in (204, 304):
+            self._framing, length = _NONE, 0
+        elif te and te[-1].lower() == b"chunked":
+            self._framing, self._chunk_state = _CHUNKED, _SIZE
+        elif b"content-length" in headers:
+            try:
+                length = int(headers[b"content-length"][0])
+                if length < 0:
+                    raise ValueError(length)
+            except ValueError:
+                self._fail_head(BadResponse("bad content-length"))
+                return
+            self._framing, self._left = _LENGTH, length
+        else:
+            self._framing, keep = _UNTIL_CLOSE, False
+        self._reusable = keep
+        self._state = _BODY
+        result, self._result = self._result, None
+        response = ChildResponse(self, version, code, phrase, RawHeaders(headers), length)
+        if self._framing == _NONE or (self._framing == _LENGTH and self._left == 0):
+            self._body_done(Failure(ResponseDone()))
+        elif rest:
+            self._body_data(rest)
+        if result is not None and not result.called:
+            result.callback(response)
+
+    def _fail_head(self, error: Exception) -> None:
+        result, self._result = self._result, None
+        self.abort()
+        if result is not None and not result.called:
+            result.errback(Failure(ResponseFailed([Failure(error)])))
+
+    def _body_data(self, data: bytes) -> None:
+        framing = self._framing
+        if framing == _CHUNKED:
+            self._chunked_data(data)
+            return
+        if framing == _LENGTH:
+            if len(data) >= self._left:
+                data, extra = data[:self._left], data[self._left:]
+                self._left = 0
+                if data:
+                    self._deliver(data)
+                if extra:
+                    self._reusable = False
+                self._body_done(Failure(ResponseDone()))
+                return
+            self._left -= len(data)
+        self._deliver(data)
+
+    def _chunked_data(self, data: bytes) -> None:
+        buf = self._buf + data if self._buf else data
+        out: List[bytes] = []
+        pos, size = 0, len(buf)
+        state, left = self._chunk_state, self._left
+        done = False
+        while pos < size:
+            if state == _DATA:
+                take = buf[pos:pos + left]
+                out.append(take)
+                pos += len(take)
+                left -= len(take)
+                if left == 0:
+                    state = _DATA_END
+            else:
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    if size - pos > 4096:
+                        self._body_failed(BadResponse("bad chunk framing"))
+                        return
+                    break
+                line = buf[pos:end]
+                pos = end + 2
+                if state == _SIZE:
+                    try:
+                        left = int(line.split(b";", 1)[0], 16)
+                    except ValueError:
+                        left = -1
+                    if left < 0:
+                        self._body_failed(BadResponse("bad chunk size"))
+                        return
+                    state = _DATA if left else _TRAILER
+                elif state == _DATA_END:
+                    if line:
+                        self._body_failed(BadResponse("bad chunk end"))
+                        return
+                    state = _SIZE
+                elif not line:  # _TRAILER: the blank line ends the body
+                    done = True
+                    break
+        self._chunk_state, self._left = state, left
+        self._buf = buf[pos:] if pos < size and not done else b""
+        if out:
+            self._deliver(out[0] if len(out) == 1 else b"".join(out))
+        if done:
+            if pos < size:
+                self._reusable = False
+            self._body_done(Failure(ResponseDone()))
+
+    def _deliver(self, data: bytes) -> None:
+        if self._body is not None:
+            self._body.dataReceived(data)
+        else:
+            self._pending.append(data)
+
+    def _body_failed(self, error: Exception) -> None:
+        self._reusable = False
+        if self.transport is not None:
+            self.transport.abortConnection()  # type: ignore[attr-defined]
+        self._body_done(Failure(ResponseFailed([Failure(error)])))
+
+    def _body_done(self, reason: Failure) -> None:
+        if self._state != _BODY:
+            return
+        self._state = _IDLE if self._reusable else _CLOSED
+        self._buf = b""
+        if self._reusable:
+            if self._paused:
+                self._paused = False
+                self.transport.resumeProducing()  # type: ignore[union-attr]
+            self._pool._put(self._key, self)
+        elif reason.check(ResponseDone) and self.transport is not None:
+            self.transport.loseConnection()  # type: ignore[union-attr]
+        if self._body is not None:
+            body, self._body = self._body, None
+            body.connectionLost(reason)
+        else:
+            self._ended = reason
+
+    def deliver_body(self, protocol: Any) -> None:
+        self._body = protocol
+        protocol.makeConnection(_BodyTransport(self))
+        pending, self._pending = self._pending, []
+        for data in pending:
+            if self._body is not protocol:
+                break
+            protocol.dataReceived(data)
+        if self._ended is not None and self._body is protocol:
+            reason, self._ended = self._ended, None
+            self._body = None
+            protocol.connectionLost(reason)
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:  # noqa: N802 - Twisted's name
+        state, self._state = self._state, _CLOSED
+        self._reusable = False
+        self._pool._forget(self._key, self)
+        if state == _WAITING:
+            result, self._result = self._result, None
+            if result is not None and not result.called:
+                cls = ResponseFailed if self._buf else ResponseNeverReceived
+                result.errback(Failure(cls([reason])))
+        elif state == _BODY:
+            self._state = _BODY  # so _body_done runs once
+            ended = Failure(PotentialDataLoss()) if self._framing == _UNTIL_CLOSE else Failure(
+                ResponseFailed([reason]))
+            self._body_done(ended)
+            self._state = _CLOSED
+        lost, self._lost = self._lost, []
+        for d in lost:
+            d.callback(None)
+
+
+class _ConnectionFactory(Factory):
+    noisy = False
+
+    def __init__(self, pool: "ChildAgent", key: Tuple[str, int]) -> None:
+        self._pool = pool
+        self._key = key
+
+    def buildProtocol(self, addr: Any) -> ChildConnection:  # noqa: N802 - Twisted's name
+        return ChildConnection(self._pool, self._key)
+
+
+class ChildAgent:
+    """An ``IAgent`` for ``http://`` children, with its own connection pool.
+
+    ``persistent``: keep up to ``max_per_host`` idle connections per child
+    and reuse them (else every request gets a connection of its own, sent
+    with ``Connection: close``).  The pool attributes are named as
+    ``HTTPConnectionPool``'s (``maxPersistentPerHost``, ``retryAutomatically``:
+    never; the proxy decides about retries).
+    """
+
+    retryAutomatically = False
+
+    def __init__(self, reactor: Any, persistent: bool = True, max_per_host: int = 2,
+                 connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+        self._reactor = reactor
+        self.persistent = persistent
+        self.maxPersistentPerHost = max_per_host
+        self._connect_timeout = connect_timeout
+        self._idle: Dict[Tuple[str, int], List[ChildConnection]] = {}
+        self._open: Dict[ChildConnection, None] = {}
+        self._targets: Dict[bytes, Tuple[Tuple[str, int], bytes, bytes]] = {}
+
+    def _target(self, uri: bytes) -> Tuple[Tuple[str, int], bytes, bytes]:
+        """``(key, host header, path)`` of a URL, parsed once per URL."""
+        target = self._targets.get(uri)
+        if target is None:
+            parsed = URI.fromBytes(uri)
+            if parsed.scheme != b"http":
+                raise ValueError(f"only http:// children are supported, not {uri[:40]!r}")
+            host = parsed.host.decode("ascii")
+            target = ((host, parsed.port), parsed.netloc, parsed.originForm)
+            if len(self._targets) > 1024:
+                self._targets.clear()
+            self._targets[uri] = target
+        return target
+
+    def request(self, method: bytes, uri: bytes, headers: Any = None, bodyProducer: Any = None) -> Deferred:
+        """Send a request; fires with a :class:`ChildResponse` once its head arrived."""
+        key, host, path = self._target(uri)
+        parts = [method, b" ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
+        if headers is not None:
+            for name, values in headers.getAllRawHeaders():
+                for value in values:
+                    parts += [name, b": ", value, b"\r\n"]
+        if not self.persistent:
+            parts.append(b"Connection: close\r\n")
+        body = getattr(bodyProducer, "body", None) if bodyProducer is not None else b""
+        if body is None:
+            return self._collect(bodyProducer).addCallback(
+                lambda data: self._request(key, parts, data))
+        return self._request(key, parts, body)
+
+    def _collect(self, producer: Any) -> "Deferred[bytes]":
+        chunks: List[bytes] = []
+
+        class _Consumer:
+            write = chunks.append
+
+        return producer.startProducing(_Consumer()).addCallback(lambda _: b"".join(chunks))
+
+    def _request(self, key: Tuple[str, int], parts: List[bytes], body: bytes) -> Deferred:
+        if body or parts[0] in (b"POST", b"PUT", b"PATCH"):
+            parts.append(b"Content-Length: %d\r\n" % len(body))
+        parts += [b"\r\n", body]
+        data = b"".join(parts)
+        state: Dict[str, Any] = {}
+
+        def cancel(d: Deferred) -> None:
+            state["cancelled"] = True
+            conn = state.get("conn")
+            if conn is not None:
+                conn.abort()
+            elif "connecting" in state:
+                state["connecting"].cancel()
+
+        result: Deferred = Deferred(cancel)
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if conn._state == _IDLE and conn.transport is not None:
+                state["conn"] = conn
+                conn.send(data, result, self.persistent)
+                return result
+
+        def connected(conn: ChildConnection) -> None:
+            state.pop("connecting", None)
+            if result.called:  # cancelled meanwhile
+                conn.abort()
+                return
+            state["conn"] = conn
+            self._open[conn] = None
+            conn.send(data, result, self.persistent)
+
+        def failed(failure: Failure) -> None:
+            state.pop("connecting", None)
+            if not result.called:
+                result.errback(Failure(CancelledError()) if state.get("cancelled") else failure)
+
+        connecting = self._endpoint(key).connect(_ConnectionFactory(self, key))
+        state["connecting"] = connecting
+        connecting.addCallbacks(connected, failed)
+        return result
+
+    def _endpoint(self, key: Tuple[str, int]) -> Any:
+        host, port = key
+        if isIPAddress(host):
+            return TCP4ClientEndpoint(self._reactor, host, port, timeout=self._connect_timeout)
+        if isIPv6Address(host):
+            return TCP6ClientEndpoint(self._reactor, host, port, timeout=self._connect_timeout)
+        return HostnameEndpoint(self._reactor, host, port, timeout=self._connect_timeout)
+
+    def _put(self, key: Tuple[str, int], conn: ChildConnection) -> None:
+        idle = self._idle.setdefault(key, [])
+        if len(idle) >= self.maxPersistentPerHost:
+            conn.abort()
+        else:
+            idle.append(conn)
+
+    def _forget(self, key: Tuple[str, int], conn: ChildConnection) -> None:
+        self._open.pop(conn, None)
+        idle = self._idle.get(key)
+        if idle and conn in idle:
+            idle.remove(conn)
+            if not idle:
+                del self._idle[key]
+
+    def closeCachedConnections(self) -> "Deferred[None]":  # noqa: N802 - HTTPConnectionPool's name
+        """Close the idle connections; fires when they are closed."""
+        conns = [c for idle in self._idle.values() for c in idle]
+        self._idle.clear()
+        waits = [c.when_lost() for c in conns]
+        for conn in conns:
+            if conn.transport is not None:
+                conn.transport.loseConnection()
+        return gatherResults(waits).addCallback(lambda _: None)

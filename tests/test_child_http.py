@@ -1,0 +1,344 @@
+"""rolemesh.child_http: the proxy's HTTP/1.1 client for children, over fake connections."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+from hypothesis import given
+from hypothesis import strategies as st
+from twisted.internet import defer
+from twisted.internet.error import ConnectError, ConnectionDone, ConnectionLost, ConnectionRefusedError
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import Protocol, connectionDone
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.client import ResponseDone, ResponseFailed, ResponseNeverReceived
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from zope.interface.verify import verifyObject
+
+from rolemesh.child_http import BadResponse, ChildAgent, parse_head
+from rolemesh.proxy import BytesProducer
+from rolemesh.twisted_compat import never_sent
+
+URL = b"http://127.0.0.1:20000/v1/chat/completions"
+HEADERS = Headers({b"content-type": [b"application/json"]})
+
+
+class Body(Protocol):
+    """Records what a body protocol is given."""
+
+    def __init__(self) -> None:
+        self.chunks: List[bytes] = []
+        self.reason: Optional[Failure] = None
+
+    def dataReceived(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.reason = reason
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+class Transport(StringTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted = 0
+
+    def abortConnection(self) -> None:
+        self.aborted += 1
+        self.loseConnection()
+
+
+class ChildAgentTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.agent = ChildAgent(self.reactor, persistent=True, max_per_host=2)
+        self.connected: List[Tuple[Any, Transport]] = []
+
+    def send(self, body: bytes = b'{"x": 1}', agent: Optional[ChildAgent] = None) -> defer.Deferred:
+        return (agent or self.agent).request(b"POST", URL, HEADERS, BytesProducer(body))
+
+    def connect(self, index: int = -1) -> Tuple[Any, Transport]:
+        """Complete the pending TCP connection attempt ``index``."""
+        host, port, factory, timeout, _ = self.reactor.tcpClients[index]
+        self.assertEqual((host, port), ("127.0.0.1", 20000))
+        protocol: Any = factory.buildProtocol(None)
+        transport = Transport()
+        protocol.makeConnection(transport)
+        self.connected.append((protocol, transport))
+        return protocol, transport
+
+    def answer(self, protocol: Any, *segments: bytes) -> None:
+        for segment in segments:
+            protocol.dataReceived(segment)
+
+    def test_the_request_goes_out_in_one_write(self) -> None:
+        self.send(b'{"x": 1}')
+        _, transport = self.connect()
+        self.assertEqual(
+            transport.value(),
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:20000\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 8\r\n\r\n{"x": 1}')
+
+    def test_a_body_from_any_producer(self) -> None:
+        class Producer:
+            length = 3
+
+            def startProducing(self, consumer: Any) -> defer.Deferred:
+                consumer.write(b"ab")
+                consumer.write(b"c")
+                return defer.succeed(None)
+
+        self.agent.request(b"POST", URL, None, Producer())
+        _, transport = self.connect()
+        self.assertTrue(transport.value().endswith(b"Content-Length: 3\r\n\r\nabc"))
+
+    def test_a_sized_answer_then_the_connection_is_reused(self) -> None:
+        d = self.send()
+        protocol, transport = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-A: 1\r\nX-A: 2\r\n"
+                              b"Content-Length: 5\r\n\r\nhel")
+        response = self.successResultOf(d)
+        self.assertEqual((response.code, response.phrase, response.length), (200, b"OK", 5))
+        self.assertEqual(response.headers.getRawHeaders(b"Content-Type"), [b"application/json"])
+        self.assertIn((b"x-a", [b"1", b"2"]), list(response.headers.getAllRawHeaders()))
+        body = Body()
+        response.deliverBody(body)
+        self.assertEqual(body.data, b"hel")
+        self.assertIsNone(body.reason)
+        self.answer(protocol, b"lo")
+        self.assertEqual(body.data, b"hello")
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+        self.assertFalse(transport.disconnecting, "a kept-alive connection stays open")
+        transport.clear()
+        self.send()
+        self.assertEqual(len(self.reactor.tcpClients), 1, "the next request reuses the connection")
+        self.assertTrue(transport.value().startswith(b"POST /v1/chat/completions HTTP/1.1\r\n"))
+
+    @given(st.lists(st.integers(min_value=1, max_value=40), max_size=30), st.booleans())
+    def test_chunked_answers_in_any_segmentation(self, cuts: List[int], trailer: bool) -> None:
+        reactor = MemoryReactorClock()
+        agent = ChildAgent(reactor)
+        events = [b'data: {"n": %d}\n\n' % i for i in range(6)] + [b"data: [DONE]\n\n"]
+        wire = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(e), e) if i == 2 else b"%x\r\n%s\r\n" % (len(e), e)
+                        for i, e in enumerate(events))
+        wire += b"0\r\nX-Trailer: t\r\n\r\n" if trailer else b"0\r\n\r\n"
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        d = agent.request(b"POST", URL, HEADERS, BytesProducer(b"{}"))
+        _, _, factory, _, _ = reactor.tcpClients[0]
+        protocol: Any = factory.buildProtocol(None)
+        transport = Transport()
+        protocol.makeConnection(transport)
+        data, segments, pos = head + wire, [], 0
+        for cut in cuts:
+            segments.append(data[pos:pos + cut])
+            pos += cut
+        segments.append(data[pos:])
+        body = Body()
+        for segment in segments:
+            if segment:
+                protocol.dataReceived(segment)
+        response = self.successResultOf(d)
+        response.deliverBody(body)
+        self.assertEqual(body.data, b"".join(events))
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+        self.assertFalse(transport.disconnecting)
+
+    def test_the_events_of_one_segment_arrive_as_one_write(self) -> None:
+        d = self.send()
+        protocol, _ = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        body = Body()
+        self.successResultOf(d).deliverBody(body)
+        self.answer(protocol, b"3\r\nabc\r\n2\r\nde\r\n1\r\nf\r\n")
+        self.assertEqual(body.chunks, [b"abcdef"])
+
+    def test_nothing_before_the_close_is_never_received(self) -> None:
+        d = self.send()
+        protocol, _ = self.connect()
+        protocol.connectionLost(Failure(ConnectionDone()))
+        failure = self.failureResultOf(d, ResponseNeverReceived)
+        self.assertTrue(never_sent(failure), "the proxy may retry it on a fresh connection")
+
+    def test_a_close_mid_head_is_a_failed_response(self) -> None:
+        d = self.send()
+        protocol, _ = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nContent-")
+        protocol.connectionLost(Failure(ConnectionLost()))
+        failure = self.failureResultOf(d, ResponseFailed)
+        self.assertFalse(never_sent(failure), "the child saw the request: not retried")
+
+    def test_a_close_mid_body_fails_the_body(self) -> None:
+        d = self.send()
+        protocol, _ = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        body = Body()
+        self.successResultOf(d).deliverBody(body)
+        protocol.connectionLost(Failure(ConnectionLost("child died")))
+        self.assertEqual(body.data, b"abc")
+        assert body.reason is not None
+        self.assertTrue(body.reason.check(ResponseFailed))
+        self.assertEqual(self.agent._idle, {}, "a broken connection is not pooled")
+
+    def test_an_unframed_body_ends_with_the_close(self) -> None:
+        d = self.send()
+        protocol, _ = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\n\r\npart")
+        body = Body()
+        self.successResultOf(d).deliverBody(body)
+        protocol.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(body.data, b"part")
+        assert body.reason is not None
+        body.reason.trap(PotentialDataLoss)
+
+    def test_connection_close_is_not_reused(self) -> None:
+        d = self.send()
+        protocol, transport = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+        body = Body()
+        self.successResultOf(d).deliverBody(body)
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+        self.assertTrue(transport.disconnecting)
+        self.send()
+        self.assertEqual(len(self.reactor.tcpClients), 2, "a new connection")
+
+    def test_a_fresh_agent_asks_for_close_and_never_pools(self) -> None:
+        fresh = ChildAgent(self.reactor, persistent=False)
+        d = self.send(agent=fresh)
+        protocol, transport = self.connect()
+        self.assertIn(b"\r\nConnection: close\r\n", transport.value())
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        self.successResultOf(d).deliverBody(Body())
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(fresh._idle, {})
+
+    def test_a_pooled_connection_closed_by_the_child_is_dropped(self) -> None:
+        d = self.send()
+        protocol, _ = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.successResultOf(d).deliverBody(Body())
+        protocol.connectionLost(Failure(ConnectionDone()))  # llama-server closed it while idle
+        self.send()
+        self.assertEqual(len(self.reactor.tcpClients), 2, "not the closed one")
+
+    def test_idle_connections_are_capped(self) -> None:
+        pending = [self.send() for _ in range(3)]
+        conns = [self.connect(i) for i in range(3)]
+        for (protocol, _), d in zip(conns, pending):
+            self.answer(protocol, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            self.successResultOf(d).deliverBody(Body())
+        self.assertEqual(len(self.agent._idle[("127.0.0.1", 20000)]), 2)
+        self.assertEqual([t.aborted for _, t in conns], [0, 0, 1])
+
+    def test_refused_is_a_connect_error(self) -> None:
+        d = self.send()
+        _, _, factory, _, _ = self.reactor.tcpClients[0]
+        factory.clientConnectionFailed(self.reactor.connectors[0], Failure(ConnectionRefusedError()))
+        self.failureResultOf(d, ConnectError)
+
+    def test_cancel_while_connecting(self) -> None:
+        d = self.send()
+        d.cancel()
+        self.failureResultOf(d, defer.CancelledError)
+        self.assertEqual(self.reactor.connectors[0].stoppedConnecting, True)
+
+    def test_cancel_before_the_answer_closes_the_connection(self) -> None:
+        d = self.send()
+        protocol, transport = self.connect()
+        d.cancel()
+        self.failureResultOf(d, defer.CancelledError)
+        self.assertEqual(transport.aborted, 1, "llama-server sees the close and stops generating")
+        protocol.connectionLost(Failure(ConnectionLost()))  # no second result
+
+    def test_the_body_transport_is_the_upstream_push_producer(self) -> None:
+        d = self.send()
+        protocol, transport = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        body = Body()
+        self.successResultOf(d).deliverBody(body)
+        producer: Any = body.transport
+        verifyObject(IPushProducer, producer)
+        producer.pauseProducing()
+        self.assertEqual(transport.producerState, "paused")
+        producer.resumeProducing()
+        self.assertEqual(transport.producerState, "producing")
+        producer.pauseProducing()
+        self.answer(protocol, b"0\r\n\r\n")
+        self.assertEqual(transport.producerState, "producing", "a pooled connection is never left paused")
+        self.assertEqual(len(self.agent._idle[("127.0.0.1", 20000)]), 1, "pooled")
+
+    def test_stop_producing_aborts(self) -> None:
+        d = self.send()
+        protocol, transport = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        body = Body()
+        self.successResultOf(d).deliverBody(body)
+        producer: Any = body.transport
+        producer.stopProducing()
+        self.assertEqual(transport.aborted, 1)
+        protocol.connectionLost(Failure(ConnectionLost()))
+        assert body.reason is not None
+        self.assertTrue(body.reason.check(ResponseFailed))
+
+    def test_bad_answers_fail_cleanly(self) -> None:
+        for answer in (b"SPDY/3 200 OK\r\n\r\n", b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n",
+                       b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n"):
+            d = self.send()
+            protocol, transport = self.connect()
+            self.answer(protocol, answer)
+            self.failureResultOf(d, ResponseFailed)
+            self.assertEqual(transport.aborted, 1)
+
+    def test_bad_chunk_framing_fails_the_body(self) -> None:
+        d = self.send()
+        protocol, transport = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        body = Body()
+        self.successResultOf(d).deliverBody(body)
+        self.answer(protocol, b"zz\r\n")
+        assert body.reason is not None
+        self.assertTrue(body.reason.check(ResponseFailed))
+        self.assertEqual(transport.aborted, 1)
+
+    def test_interim_answers_are_skipped(self) -> None:
+        d = self.send()
+        protocol, _ = self.connect()
+        self.answer(protocol, b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n")
+        self.assertEqual(self.successResultOf(d).code, 204)
+
+    def test_close_cached_connections(self) -> None:
+        d = self.send()
+        protocol, transport = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.successResultOf(d).deliverBody(Body())
+        closed = self.agent.closeCachedConnections()
+        self.assertNoResult(closed)
+        self.assertTrue(transport.disconnecting)
+        protocol.connectionLost(Failure(ConnectionDone()))
+        self.successResultOf(closed)
+
+    def test_only_http(self) -> None:
+        self.assertRaises(ValueError, self.agent.request, b"POST", b"https://127.0.0.1:1/x", HEADERS,
+                          BytesProducer(b""))
+
+
+class ParseHeadTests(SynchronousTestCase):
+    def test_status_and_headers(self) -> None:
+        version, code, phrase, headers = parse_head(b"HTTP/1.1 404 Not Found\r\nA: 1\r\nb:  2 ")
+        self.assertEqual((version, code, phrase), (b"HTTP/1.1", 404, b"Not Found"))
+        self.assertEqual(headers, {b"a": [b"1"], b"b": [b"2"]})
+
+    @given(st.binary(max_size=60))
+    def test_anything_else_is_bad_response_or_parses(self, junk: bytes) -> None:
+        try:
+            parse_head(junk)
+        except BadResponse:
+            pass
