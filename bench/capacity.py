@@ -222,8 +222,10 @@ def start_before(args: argparse.Namespace, procs: Processes, workdir: str, confi
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=1)
     log = os.path.join(workdir, "agent-before.log")
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(args.before))
-    proc = procs.start([sys.executable, "-m", "rolemesh.cli", "--config", path], log, env=env)
+    # Not PYTHONPATH with -m: -m puts the working directory (this tree) first.
+    run_before = (f"import sys; sys.path.insert(0, {os.path.abspath(args.before)!r}); import rolemesh.cli; "
+                  "sys.exit(rolemesh.cli.main(sys.argv[1:]))")
+    proc = procs.start([sys.executable, "-c", run_before, "--config", path], log)
     wait_http(port, "/health", proc, log)
     client = Client(port)
     status, _, _, data = client.post(PATH, chat_body(1, False))

@@ -44,6 +44,9 @@ from zope.interface import implementer
 #: The most bytes of status line and headers accepted.
 MAX_HEAD = 65536
 CONNECT_TIMEOUT_S = 30.0
+#: A stream is held (``coalesce_s``) only after reads smaller than this: a
+#: body that arrives in big reads is already relayed in big writes.
+COALESCE_BELOW = 8192
 
 _IDLE, _WAITING, _BODY, _CLOSED = range(4)
 # Body framings.
@@ -152,7 +155,9 @@ class ChildConnection(Protocol):
         self._body: Any = None  # the body protocol, once delivered
         self._pending: List[bytes] = []  # body bytes that came before deliverBody
         self._ended: Optional[Failure] = None  # how the body ended, before deliverBody
-        self._paused = False
+        self._paused = False  # by the body's consumer (backpressure)
+        self._held: Any = None  # the timer of a coalescing pause
+        self._reading_paused = False  # the socket's state: paused if either of the two
         self._lost: List[Deferred] = []
 
     # -- the pool's side ------------------------------------------------------------------
@@ -173,14 +178,40 @@ class ChildConnection(Protocol):
             self.transport.abortConnection()  # type: ignore[attr-defined]
 
     def pause(self) -> None:
-        if not self._paused and self._state != _CLOSED:
-            self._paused = True
-            self.transport.pauseProducing()  # type: ignore[union-attr]
+        self._paused = True
+        self._reading()
 
     def resume(self) -> None:
-        if self._paused and self._state != _CLOSED:
-            self._paused = False
-            self.transport.resumeProducing()  # type: ignore[union-attr]
+        self._paused = False
+        self._reading()
+
+    def _reading(self) -> None:
+        """Pause or resume the socket: paused while the consumer or a coalescing hold wants it."""
+        paused = self._paused or self._held is not None
+        if paused != self._reading_paused and self._state != _CLOSED and self.transport is not None:
+            self._reading_paused = paused
+            if paused:
+                self.transport.pauseProducing()  # type: ignore[attr-defined]
+            else:
+                self.transport.resumeProducing()  # type: ignore[attr-defined]
+
+    def _hold(self, seconds: float) -> None:
+        """Stop reading for ``seconds``: the events the child writes meanwhile
+        arrive together, in one wake-up, one ``recv`` and one write to the
+        client, instead of one each."""
+        if self._held is None:
+            self._held = self._pool._reactor.callLater(seconds, self._release)
+            self._reading()
+
+    def _release(self) -> None:
+        self._held = None
+        self._reading()
+
+    def _unhold(self) -> None:
+        if self._held is not None:
+            if self._held.active():
+                self._held.cancel()
+            self._held = None
 
     def when_lost(self) -> "Deferred[None]":
         if self._state == _CLOSED:
@@ -318,6 +349,8 @@ class ChildConnection(Protocol):
         self._buf = buf[pos:] if pos < size and not done else b""
         if out:
             self._deliver(out[0] if len(out) == 1 else b"".join(out))
+            if not done and self._pool.coalesce_s and size < COALESCE_BELOW and self._state == _BODY:
+                self._hold(self._pool.coalesce_s)
         if done:
             if pos < size:
                 self._reusable = False
@@ -340,10 +373,10 @@ class ChildConnection(Protocol):
             return
         self._state = _IDLE if self._reusable else _CLOSED
         self._buf = b""
+        self._unhold()
         if self._reusable:
-            if self._paused:
-                self._paused = False
-                self.transport.resumeProducing()  # type: ignore[union-attr]
+            self._paused = False
+            self._reading()  # a pooled connection is never left paused
             self._pool._put(self._key, self)
         elif reason.check(ResponseDone) and self.transport is not None:
             self.transport.loseConnection()  # type: ignore[union-attr]
@@ -371,6 +404,7 @@ class ChildConnection(Protocol):
     def connectionLost(self, reason: Failure = connectionDone) -> None:  # noqa: N802 - Twisted's name
         state, self._state = self._state, _CLOSED
         self._reusable = False
+        self._unhold()
         self._pool._forget(self._key, self)
         if state == _WAITING:
             result, self._result = self._result, None
@@ -407,13 +441,20 @@ class ChildAgent:
     with ``Connection: close``).  The pool attributes are named as
     ``HTTPConnectionPool``'s (``maxPersistentPerHost``, ``retryAutomatically``:
     never; the proxy decides about retries).
+
+    ``coalesce_s``: once a chunked (streamed) body has begun, stop reading
+    for this long after each small read (under ``COALESCE_BELOW`` bytes), so
+    that the events written meanwhile are relayed together (0: never).  The
+    first bytes of a body are delivered at once; each later event waits at
+    most ``coalesce_s``.
     """
 
     retryAutomatically = False
 
     def __init__(self, reactor: Any, persistent: bool = True, max_per_host: int = 2,
-                 connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT_S, coalesce_s: float = 0.0) -> None:
         self._reactor = reactor
+        self.coalesce_s = coalesce_s
         self.persistent = persistent
         self.maxPersistentPerHost = max_per_host
         self._connect_timeout = connect_timeout

@@ -330,6 +330,72 @@ class ChildAgentTests(SynchronousTestCase):
                           BytesProducer(b""))
 
 
+class CoalescingTests(SynchronousTestCase):
+    """coalesce_s: a stream's later events are read together; the first is not held."""
+
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.agent = ChildAgent(self.reactor, coalesce_s=0.004)
+
+    def stream(self) -> Tuple[Any, Transport, Body]:
+        d = self.agent.request(b"POST", URL, HEADERS, BytesProducer(b"{}"))
+        _, _, factory, _, _ = self.reactor.tcpClients[-1]
+        protocol: Any = factory.buildProtocol(None)
+        transport = Transport()
+        protocol.makeConnection(transport)
+        protocol.dataReceived(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        body = Body()
+        self.successResultOf(d).deliverBody(body)
+        return protocol, transport, body
+
+    def test_the_first_event_goes_at_once_then_reading_pauses_a_moment(self) -> None:
+        protocol, transport, body = self.stream()
+        self.assertEqual(transport.producerState, "producing")
+        protocol.dataReceived(b"5\r\nfirst\r\n")
+        self.assertEqual(body.data, b"first", "not held back")
+        self.assertEqual(transport.producerState, "paused", "the next events wait in the socket")
+        self.reactor.advance(0.004)
+        self.assertEqual(transport.producerState, "producing")
+        protocol.dataReceived(b"1\r\na\r\n1\r\nb\r\n0\r\n\r\n")
+        self.assertEqual(body.chunks, [b"first", b"ab"])
+        self.assertEqual(transport.producerState, "producing", "an ended body is not held")
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_big_reads_are_not_held(self) -> None:
+        protocol, transport, body = self.stream()
+        data = b"x" * 10000
+        protocol.dataReceived(b"%x\r\n%s\r\n" % (len(data), data))
+        self.assertEqual(transport.producerState, "producing")
+
+    def test_backpressure_outlasts_a_hold(self) -> None:
+        protocol, transport, body = self.stream()
+        protocol.dataReceived(b"1\r\na\r\n")
+        producer: Any = body.transport
+        producer.pauseProducing()  # the client is slow
+        self.reactor.advance(0.004)
+        self.assertEqual(transport.producerState, "paused", "the hold's end does not override the client")
+        producer.resumeProducing()
+        self.assertEqual(transport.producerState, "producing")
+
+    def test_a_resume_by_the_client_waits_for_the_hold(self) -> None:
+        protocol, transport, body = self.stream()
+        producer: Any = body.transport
+        producer.pauseProducing()
+        protocol.dataReceived(b"1\r\na\r\n")  # already buffered
+        producer.resumeProducing()
+        self.assertEqual(transport.producerState, "paused", "still held")
+        self.reactor.advance(0.004)
+        self.assertEqual(transport.producerState, "producing")
+
+    def test_a_connection_lost_while_held_cancels_the_hold(self) -> None:
+        protocol, transport, body = self.stream()
+        protocol.dataReceived(b"1\r\na\r\n")
+        protocol.connectionLost(Failure(ConnectionLost()))
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+        assert body.reason is not None
+        self.assertTrue(body.reason.check(ResponseFailed))
+
+
 class ParseHeadTests(SynchronousTestCase):
     def test_status_and_headers(self) -> None:
         version, code, phrase, headers = parse_head(b"HTTP/1.1 404 Not Found\r\nA: 1\r\nb:  2 ")
