@@ -64,7 +64,7 @@ HOP_HEADERS = frozenset(
 #: seconds are relayed together: one wake-up, read and write for several
 #: tokens instead of one each (the proxy's CPU per token at high token rates).
 #: The first event goes at once; a later one waits at most this long.
-STREAM_COALESCE_S = 0.004
+STREAM_COALESCE_S = 0.008
 
 #: The headers of every request to a child (never changed: shared).
 _REQUEST_HEADERS = Headers({b"content-type": [b"application/json"], b"accept": [b"*/*"]})
