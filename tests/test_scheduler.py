@@ -304,7 +304,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler.model_loaded(device, model, slots)
         if before[0] != model and running and all(m == model for m in running):
             # Requests of that model run here: nothing may switch it away now.
-            assert (book.model, book.slots) == (model, slots), "the load changed what the device holds"
+            # (Its slot count may be reset by a ticket that starts with its own.)
+            assert book.model == model, "the load changed what the device holds"
 
     @rule(device=st.sampled_from(["d0", "d1"]))
     def crash(self, device):
