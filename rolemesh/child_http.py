@@ -14,9 +14,11 @@ the downstream's push producer.  :class:`ChildAgent` does that as an
   segment received, so the several SSE events one ``recv`` holds reach the
   body protocol as one ``dataReceived``;
 * connections are kept per child (``max_per_host`` idle ones) and reused
-  while the child keeps them open (llama-server closes its side after every
-  stream, so the proxy retries a request that fails before any byte of an
-  answer on a fresh connection, once).
+  while the child keeps them open; one that carried a chunked (streamed)
+  answer is closed instead, since llama-server closes its side after every
+  stream anyway (a request that still fails before any byte of an answer,
+  on a connection the child closed meanwhile, is retried by the proxy on a
+  fresh connection, once).
 
 Failures look like ``Agent``'s, which the proxy classifies:
 ``ResponseNeverReceived`` when the connection closed before any byte of an
@@ -107,19 +109,24 @@ class _BodyTransport:
     push producer (pausing it pauses the child's writes); ``stopProducing``
     closes the connection, which is how the proxy stops a generation."""
 
-    __slots__ = ("_conn",)
+    __slots__ = ("conn",)
 
     def __init__(self, conn: "ChildConnection") -> None:
-        self._conn = conn
+        #: None once the body has ended: the connection may serve another
+        #: request by then, which a late call must not pause or close.
+        self.conn: Optional[ChildConnection] = conn
 
     def pauseProducing(self) -> None:  # noqa: N802 - Twisted's name
-        self._conn.pause()
+        if self.conn is not None:
+            self.conn.pause()
 
     def resumeProducing(self) -> None:  # noqa: N802 - Twisted's name
-        self._conn.resume()
+        if self.conn is not None:
+            self.conn.resume()
 
     def stopProducing(self) -> None:  # noqa: N802 - Twisted's name
-        self._conn.abort()
+        if self.conn is not None:
+            self.conn.abort()
 
 
 class ChildResponse:
@@ -153,6 +160,7 @@ class ChildConnection(Protocol):
         self._left = 0
         self._chunk_state = _SIZE
         self._body: Any = None  # the body protocol, once delivered
+        self._body_transport: Optional[_BodyTransport] = None
         self._pending: List[bytes] = []  # body bytes that came before deliverBody
         self._ended: Optional[Failure] = None  # how the body ended, before deliverBody
         self._paused = False  # by the body's consumer (backpressure)
@@ -258,7 +266,10 @@ class ChildConnection(Protocol):
         if code in (204, 304):
             self._framing, length = _NONE, 0
         elif te and te[-1].lower() == b"chunked":
-            self._framing, self._chunk_state = _CHUNKED, _SIZE
+            # llama-server closes its side after every streamed answer, though
+            # it says keep-alive: such a connection is closed, not pooled, so
+            # no request is sent on it while it closes (a retry).
+            self._framing, self._chunk_state, keep = _CHUNKED, _SIZE, False
         elif b"content-length" in headers:
             try:
                 length = int(headers[b"content-length"][0])
@@ -374,6 +385,9 @@ class ChildConnection(Protocol):
         self._state = _IDLE if self._reusable else _CLOSED
         self._buf = b""
         self._unhold()
+        if self._body_transport is not None:
+            self._body_transport.conn = None
+            self._body_transport = None
         if self._reusable:
             self._paused = False
             self._reading()  # a pooled connection is never left paused
@@ -388,7 +402,8 @@ class ChildConnection(Protocol):
 
     def deliver_body(self, protocol: Any) -> None:
         self._body = protocol
-        protocol.makeConnection(_BodyTransport(self))
+        self._body_transport = _BodyTransport(self)
+        protocol.makeConnection(self._body_transport)
         pending, self._pending = self._pending, []
         for data in pending:
             if self._body is not protocol:

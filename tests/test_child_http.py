@@ -149,7 +149,8 @@ class ChildAgentTests(SynchronousTestCase):
         self.assertEqual(body.data, b"".join(events))
         assert body.reason is not None
         body.reason.trap(ResponseDone)
-        self.assertFalse(transport.disconnecting)
+        self.assertTrue(transport.disconnecting, "llama-server closes after a stream: not pooled")
+        self.assertEqual(agent._idle, {})
 
     def test_the_events_of_one_segment_arrive_as_one_write(self) -> None:
         d = self.send()
@@ -270,10 +271,24 @@ class ChildAgentTests(SynchronousTestCase):
         self.assertEqual(transport.producerState, "paused")
         producer.resumeProducing()
         self.assertEqual(transport.producerState, "producing")
+
+    def test_a_pooled_connection_is_never_left_paused(self) -> None:
+        d = self.send()
+        protocol, transport = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab")
+        body = Body()
+        self.successResultOf(d).deliverBody(body)
+        producer: Any = body.transport
         producer.pauseProducing()
-        self.answer(protocol, b"0\r\n\r\n")
-        self.assertEqual(transport.producerState, "producing", "a pooled connection is never left paused")
+        self.assertEqual(transport.producerState, "paused")
+        self.answer(protocol, b"cd")
+        self.assertEqual(transport.producerState, "producing")
         self.assertEqual(len(self.agent._idle[("127.0.0.1", 20000)]), 1, "pooled")
+        # The connection may serve another request now: late calls are no-ops.
+        self.send()
+        producer.pauseProducing()
+        producer.stopProducing()
+        self.assertEqual((transport.producerState, transport.aborted), ("producing", 0))
 
     def test_stop_producing_aborts(self) -> None:
         d = self.send()
