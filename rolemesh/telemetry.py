@@ -564,6 +564,8 @@ class TelemetrySampler(UsesReactor):
         def finish(result: Any) -> None:
             if timer.active():
                 timer.cancel()
+            if isinstance(result, Failure):  # a bug in failed() above: logged, not dropped
+                log.failure("telemetry bookkeeping for {device} failed", result, device=device)
 
         work.addCallback(got).addErrback(failed).addBoth(finish)
         return work  # type: ignore[return-value]  # the callbacks above make it fire None
