@@ -684,7 +684,7 @@ class Node(MultiService, UsesReactor):
             d = self.backend.sample(self.devices)
         except Exception as e:
             d = defer.fail(e)
-        timer = self.reactor.callLater(METRICS_TIMEOUT_S, d.cancel)
+        d.addTimeout(METRICS_TIMEOUT_S, self.reactor)
 
         def got(samples: List[DeviceMetrics]) -> None:
             for sample in samples:
@@ -703,7 +703,7 @@ class Node(MultiService, UsesReactor):
                 self.scheduler.set_free_memory(group, value)
 
         def failed(f: Failure) -> None:
-            why = "timed out" if f.check(defer.CancelledError) else f.getErrorMessage()
+            why = "timed out" if f.check(defer.TimeoutError, defer.CancelledError) else f.getErrorMessage()
             log.warn("device metrics sample failed: {why}", why=why)
             now = self.reactor.seconds()
             for device in self.devices:
@@ -714,8 +714,6 @@ class Node(MultiService, UsesReactor):
 
         def done(_: Any) -> None:
             self._sampling = False
-            if timer.active():
-                timer.cancel()
 
         d.addCallbacks(got, failed)
         # An error in the bookkeeping above is logged, not dropped; the loop goes on.

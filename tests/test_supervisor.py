@@ -540,6 +540,29 @@ class HttpProbeTests(SynchronousTestCase):
     def test_other_model_is_not_ready(self):
         self.assertFalse(self.probe(200, [{"id": "beta"}]))
 
+    def test_a_body_that_never_ends_is_bounded(self):
+        """treq's timeout covers only the headers: a child that sends the
+        headers of /health and then nothing must not hang the probe."""
+        from twisted.internet.task import Clock
+
+        from rolemesh.supervisor import http_probe
+
+        class Response:
+            code = 200
+
+            def content(self):
+                return defer.Deferred()  # the body never ends
+
+        class Client:
+            def get(self, url, timeout=None):
+                return defer.succeed(Response())
+
+        clock = Clock()
+        d = http_probe(Client(), timeout=2.0, clock=clock)("http://127.0.0.1:1234", "alpha")
+        self.assertNoResult(d)
+        clock.advance(4)
+        self.failureResultOf(d, defer.TimeoutError)
+
 
 class ChildLogTests(SynchronousTestCase):
     """Child output: all of it in the ring buffer; in the agent's log, all of a
