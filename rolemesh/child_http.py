@@ -49,6 +49,10 @@ CONNECT_TIMEOUT_S = 30.0
 #: A stream is held (``coalesce_s``) only after reads smaller than this: a
 #: body that arrives in big reads is already relayed in big writes.
 COALESCE_BELOW = 8192
+#: Shorter holds are not worth a timer.
+MIN_HOLD_S = 0.0005
+#: Bytes that mark the last events of a llama-server stream.
+_LAST_EVENT = (b'"finish_reason":"', b'"finish_reason": "', b"data: [DONE]")
 
 _IDLE, _WAITING, _BODY, _CLOSED = range(4)
 # Body framings.
@@ -165,6 +169,7 @@ class ChildConnection(Protocol):
         self._ended: Optional[Failure] = None  # how the body ended, before deliverBody
         self._paused = False  # by the body's consumer (backpressure)
         self._held: Any = None  # the timer of a coalescing pause
+        self._body_began = 0.0
         self._reading_paused = False  # the socket's state: paused if either of the two
         self._lost: List[Deferred] = []
 
@@ -210,6 +215,16 @@ class ChildConnection(Protocol):
         if self._held is None:
             self._held = self._pool._reactor.callLater(seconds, self._release)
             self._reading()
+
+    def _maybe_hold(self, data: bytes) -> None:
+        """Hold after a small read of a stream, for at most ``coalesce_s`` and
+        never longer than the stream has run so far (a short stream is not
+        stretched: its slot is free as soon as it ends), and not at all once
+        the answer's last event is in (llama-server's ``finish_reason`` or
+        ``[DONE]``: the end follows at once)."""
+        hold = min(self._pool.coalesce_s, self._pool._reactor.seconds() - self._body_began)
+        if hold >= MIN_HOLD_S and not any(mark in data for mark in _LAST_EVENT):
+            self._hold(hold)
 
     def _release(self) -> None:
         self._held = None
@@ -270,6 +285,7 @@ class ChildConnection(Protocol):
             # it says keep-alive: such a connection is closed, not pooled, so
             # no request is sent on it while it closes (a retry).
             self._framing, self._chunk_state, keep = _CHUNKED, _SIZE, False
+            self._body_began = self._pool._reactor.seconds()
         elif b"content-length" in headers:
             try:
                 length = int(headers[b"content-length"][0])
@@ -361,7 +377,7 @@ class ChildConnection(Protocol):
         if out:
             self._deliver(out[0] if len(out) == 1 else b"".join(out))
             if not done and self._pool.coalesce_s and size < COALESCE_BELOW and self._state == _BODY:
-                self._hold(self._pool.coalesce_s)
+                self._maybe_hold(buf)
         if done:
             if pos < size:
                 self._reusable = False
@@ -458,10 +474,11 @@ class ChildAgent:
     never; the proxy decides about retries).
 
     ``coalesce_s``: once a chunked (streamed) body has begun, stop reading
-    for this long after each small read (under ``COALESCE_BELOW`` bytes), so
-    that the events written meanwhile are relayed together (0: never).  The
-    first bytes of a body are delivered at once; each later event waits at
-    most ``coalesce_s``.
+    for up to this long after each small read (under ``COALESCE_BELOW``
+    bytes), so that the events written meanwhile are relayed together (0:
+    never).  The first bytes of a body are delivered at once; a hold is never
+    longer than the stream has run, and there is none once the last event
+    is in; each later event waits at most ``coalesce_s``.
     """
 
     retryAutomatically = False

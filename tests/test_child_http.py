@@ -368,13 +368,35 @@ class CoalescingTests(SynchronousTestCase):
         self.assertEqual(transport.producerState, "producing")
         protocol.dataReceived(b"5\r\nfirst\r\n")
         self.assertEqual(body.data, b"first", "not held back")
+        self.assertEqual(transport.producerState, "producing", "a stream that just began is not held")
+        self.reactor.advance(0.01)
+        protocol.dataReceived(b"6\r\nsecond\r\n")
+        self.assertEqual(body.chunks, [b"first", b"second"])
         self.assertEqual(transport.producerState, "paused", "the next events wait in the socket")
+        self.assertEqual([c.getTime() for c in self.reactor.getDelayedCalls()], [0.01 + 0.004])
         self.reactor.advance(0.004)
         self.assertEqual(transport.producerState, "producing")
         protocol.dataReceived(b"1\r\na\r\n1\r\nb\r\n0\r\n\r\n")
-        self.assertEqual(body.chunks, [b"first", b"ab"])
+        self.assertEqual(body.chunks, [b"first", b"second", b"ab"])
         self.assertEqual(transport.producerState, "producing", "an ended body is not held")
         self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_a_hold_is_never_longer_than_the_stream_has_run(self) -> None:
+        protocol, transport, _ = self.stream()
+        self.reactor.advance(0.001)
+        protocol.dataReceived(b"1\r\na\r\n")
+        self.assertEqual(transport.producerState, "paused")
+        self.assertEqual([c.getTime() for c in self.reactor.getDelayedCalls()], [0.001 + 0.001])
+
+    def test_no_hold_once_the_last_event_is_in(self) -> None:
+        for last in (b'data: {"choices":[{"finish_reason":"stop"}]}\n\n', b"data: [DONE]\n\n"):
+            protocol, transport, body = self.stream()
+            self.reactor.advance(1)
+            protocol.dataReceived(b"%x\r\n%s\r\n" % (len(last), last))
+            self.assertEqual(transport.producerState, "producing", "the end follows at once")
+            protocol.dataReceived(b"0\r\n\r\n")
+            assert body.reason is not None
+            body.reason.trap(ResponseDone)
 
     def test_big_reads_are_not_held(self) -> None:
         protocol, transport, body = self.stream()
@@ -384,6 +406,7 @@ class CoalescingTests(SynchronousTestCase):
 
     def test_backpressure_outlasts_a_hold(self) -> None:
         protocol, transport, body = self.stream()
+        self.reactor.advance(1)
         protocol.dataReceived(b"1\r\na\r\n")
         producer: Any = body.transport
         producer.pauseProducing()  # the client is slow
@@ -394,6 +417,7 @@ class CoalescingTests(SynchronousTestCase):
 
     def test_a_resume_by_the_client_waits_for_the_hold(self) -> None:
         protocol, transport, body = self.stream()
+        self.reactor.advance(1)
         producer: Any = body.transport
         producer.pauseProducing()
         protocol.dataReceived(b"1\r\na\r\n")  # already buffered
@@ -404,6 +428,7 @@ class CoalescingTests(SynchronousTestCase):
 
     def test_a_connection_lost_while_held_cancels_the_hold(self) -> None:
         protocol, transport, body = self.stream()
+        self.reactor.advance(1)
         protocol.dataReceived(b"1\r\na\r\n")
         protocol.connectionLost(Failure(ConnectionLost()))
         self.assertEqual(self.reactor.getDelayedCalls(), [])
