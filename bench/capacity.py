@@ -220,6 +220,7 @@ def start_before(args: argparse.Namespace, procs: Processes, workdir: str, confi
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
     config.update(listen_port=port, node_id="capacity-before", state_dir=os.path.join(workdir, "state-before"))
+    config.pop("stream_coalesce_ms", None)  # a key the tree before may not know
     path = os.path.join(workdir, "agent-before.yaml")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=1)
@@ -264,6 +265,7 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
             "llama_server_probe_interval_s": 0.05, "shutdown_grace_s": 1,
             "models": [{"model_id": MODEL_ID, "path": model, "preload": True,
                         "server_args": {"parallel": args.parallel}}],
+            **({"stream_coalesce_ms": args.coalesce_ms} if args.coalesce_ms else {}),
         }, f, indent=1)
     agent_log = os.path.join(workdir, "agent.log")
     argv = [sys.executable]
@@ -394,6 +396,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="seconds of each throughput block (default 4)")
     parser.add_argument("--load-tokens", type=int, default=64, help="tokens per stream under load (default 64)")
     parser.add_argument("--parallel", type=int, default=8, help="llama-server slots (default 8)")
+    parser.add_argument("--coalesce-ms", type=float, default=8.0,
+                        help="the agent's stream_coalesce_ms (default 8, the figures in docs/performance.md; "
+                             "0 relays every read at once, the config default)")
     parser.add_argument("--before", metavar="DIR",
                         help="also measure the agent of this source tree (a directory holding rolemesh/) as 'before'; "
                              "the per-event target is then against it")

@@ -479,6 +479,11 @@ class NodeConfig:
         120.0,
         "Longest silence between chunks of an answer that has begun (stream or body); then the answer is "
         "ended (an SSE error event, or a cut connection) and the child is probed and replaced if it fails.")
+    stream_coalesce_ms: float = key(
+        0.0, _non_negative_number, "non-negative number",
+        "Once a stream has begun, hold the child's socket this long after each small read so several events "
+        "go out together: less agent CPU per token (measured 36 -> 5 us per event at 8), each token up to this "
+        "much later. 0 (off) relays every read at once.")
     request_timeout_s: float = _seconds(600.0, "Deadline for a non-streaming upstream answer (504 after it).")
     shutdown_grace_s: float = _seconds(30.0, "How long a drain waits for in-flight requests.",
                                        _non_negative_number, "non-negative number")

@@ -60,10 +60,12 @@ HOP_HEADERS = frozenset(
 )
 
 
-#: Once a stream has begun, the events llama-server writes within this many
-#: seconds are relayed together: one wake-up, read and write for several
-#: tokens instead of one each (the proxy's CPU per token at high token rates).
-#: The first event goes at once; a later one waits at most this long.
+#: A good ``stream_coalesce_ms`` (as seconds) where the agent's CPU is the
+#: ceiling: once a stream has begun, the events llama-server writes within
+#: this long are relayed together -- one wake-up, read and write for several
+#: tokens instead of one each.  The first event goes at once; a later one
+#: waits at most this long.  Off unless configured: by default every read is
+#: relayed as it arrives.
 STREAM_COALESCE_S = 0.008
 
 #: The headers of every request to a child (never changed: shared).
@@ -317,7 +319,7 @@ class Proxy(UsesReactor):
     """Sends requests to children over a persistent pool and relays answers."""
 
     def __init__(self, reactor: Any = None, max_per_host: int = 4, agent: Any = None,
-                 fresh_agent: Any = None, coalesce_s: float = STREAM_COALESCE_S) -> None:
+                 fresh_agent: Any = None, coalesce_s: float = 0.0) -> None:
         self._reactor = reactor
         self._max_per_host = max_per_host
         self._coalesce_s = coalesce_s

@@ -412,7 +412,7 @@ def make_service(
         if problem is not None:
             log.warn("{message}", message=problem.message)
     max_parallel = max([m.parallel for m in config.models] or [1])
-    proxy = Proxy(reactor=reactor, max_per_host=max(2, max_parallel))
+    proxy = Proxy(reactor=reactor, max_per_host=max(2, max_parallel), coalesce_s=config.stream_coalesce_ms / 1000.0)
 
     root = NodeAgentService(config, node, proxy, reactor=reactor)
     registration = _registration_builder(lambda: root.config, backend, devices, node)

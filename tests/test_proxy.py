@@ -605,12 +605,13 @@ class PieceTests(SynchronousTestCase):
         self.assertFalse(pool.retryAutomatically, "the proxy retries stale connections itself, once")
         self.successResultOf(proxy.close())
 
-    def test_default_agents_coalesce_stream_events(self) -> None:
+    def test_agents_coalesce_stream_events_only_when_configured(self) -> None:
         proxy = Proxy(reactor=MemoryReactorClock())
+        self.assertEqual((proxy.agent.coalesce_s, proxy.fresh_agent.coalesce_s), (0, 0), "off by default (SPEC)")
+        proxy = Proxy(reactor=MemoryReactorClock(), coalesce_s=STREAM_COALESCE_S)
         self.assertEqual(proxy.agent.coalesce_s, STREAM_COALESCE_S)
         self.assertEqual(proxy.fresh_agent.coalesce_s, STREAM_COALESCE_S)
         self.assertFalse(proxy.fresh_agent.persistent)
-        self.assertEqual(Proxy(reactor=MemoryReactorClock(), coalesce_s=0).agent.coalesce_s, 0)
 
     def test_close_without_pool(self) -> None:
         self.successResultOf(Proxy(reactor=Clock(), agent=FakeAgent()).close())
