@@ -10,7 +10,7 @@ leaves the queue at once.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attr
 from twisted.application.service import MultiService
@@ -114,6 +114,9 @@ class Node(MultiService, UsesReactor):
         #: checks); a path not seen yet -- a model a reload added or moved --
         #: is read with ``read_facts`` on first use (header only: milliseconds).
         self.facts: Dict[str, Optional[GGUFFacts]] = dict(facts or {})
+        #: Estimates worked out once per (model record, lane, reserve): pure,
+        #: and asked for several times per request.
+        self._estimates: Dict[Tuple[ModelConfig, str, int], MemoryEstimate] = {}
         self._read_facts = read_facts
         self.metrics: Dict[str, DeviceMetrics] = {}
         self.draining = False
@@ -325,8 +328,13 @@ class Node(MultiService, UsesReactor):
         if facts is None:
             return None
         lane = lane or self.lanes_for(model)[0]
-        members = len(self.groups.get(lane, [lane]))
-        return estimate_on(facts, model, self.backend.name, members, self.config.device_memory_reserve_bytes)
+        reserve = self.config.device_memory_reserve_bytes
+        key = (model, lane, reserve)  # a reload brings new ModelConfig records, so new keys
+        estimate = self._estimates.get(key)
+        if estimate is None:
+            members = len(self.groups.get(lane, [lane]))
+            estimate = self._estimates[key] = estimate_on(facts, model, self.backend.name, members, reserve)
+        return estimate
 
     def fits_on(self, model: ModelConfig) -> List[str]:
         """The lanes whose total memory can ever hold ``model`` (all of them

@@ -188,6 +188,26 @@ class FitTests(SynchronousTestCase):
         # b fits on gpu:0 and gpu:1; it takes the one with most free memory, not a's.
         self.assertEqual(h.lease("b").device, "gpu:1")
 
+    def test_estimates_are_worked_out_once_not_per_request(self) -> None:
+        import rolemesh.node as node_module
+
+        h = Harness()
+        calls: List[Any] = []
+        real = node_module.estimate_on
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            calls.append(args[1].model_id)
+            return real(*args, **kwargs)
+
+        node_module.estimate_on = counting  # type: ignore[assignment]
+        self.addCleanup(setattr, node_module, "estimate_on", real)
+        first = h.lease("a")
+        after_one = len(calls)
+        first.release()
+        for _ in range(3):
+            h.lease("a").release()
+        self.assertEqual(len(calls), after_one, "later requests reuse the estimates")
+
     def test_a_pinned_model_runs_only_there(self) -> None:
         h = Harness()
         self.assertEqual(h.lease("only1").device, "gpu:1")
