@@ -9,7 +9,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 from typing import List, Tuple
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
@@ -39,11 +38,18 @@ def alive(pid: int) -> bool:
 
 
 def wait_gone(pid: int, timeout: float = BOUND_S) -> None:
-    deadline = time.monotonic() + timeout
-    while alive(pid):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"pid {pid} still alive after {timeout}s")
-        time.sleep(0.02)
+    """Wait for the process's exit itself (a pidfd turns readable when it
+    ends), within ``timeout``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        readable, _, _ = select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
+    if not readable and alive(pid):
+        raise AssertionError(f"pid {pid} still alive after {timeout}s")
 
 
 class ChildExecTests(SynchronousTestCase):
