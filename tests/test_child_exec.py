@@ -15,8 +15,8 @@ from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from rolemesh.supervisor import wrap_argv
 
-#: Prints its pid once it runs (after the exec), then sleeps.
-SLEEPER = [sys.executable, "-S", "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"]
+#: Prints its pid once it runs (after the exec), then waits for a signal (a kill).
+SLEEPER = [sys.executable, "-S", "-c", "import os, signal; print(os.getpid(), flush=True); signal.pause()"]
 BOUND_S = 15.0
 
 
@@ -94,12 +94,12 @@ class ChildExecTests(SynchronousTestCase):
     def test_dies_when_its_parent_is_sigkilled(self) -> None:
         # An intermediate parent starts the wrapped sleeper, reports its pid, and waits.
         parent_code = (
-            "import os, subprocess, sys, time\n"
+            "import os, signal, subprocess, sys\n"
             "from rolemesh.supervisor import wrap_argv\n"
             f"argv = wrap_argv({SLEEPER!r}, os.getpid())\n"
             "child = subprocess.Popen(argv, stdout=subprocess.PIPE)\n"
             "print(child.stdout.readline().decode().strip(), flush=True)\n"
-            "time.sleep(120)\n"
+            "signal.pause()\n"
         )
         parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE,
                                   stdin=subprocess.DEVNULL)
