@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import time
 
 from tests.fixtures.llama import http_request, read_sse
@@ -86,6 +87,12 @@ class QueueDeadlineTests(FaultTestCase):
         self.stop_and_assert_no_orphans(agent)
 
 
+def tcp_buffer_max(name: str) -> int:
+    """The largest TCP buffer Linux may give a socket (``tcp_rmem``/``tcp_wmem``)."""
+    with open(f"/proc/sys/net/ipv4/{name}", encoding="ascii") as f:
+        return int(f.read().split()[2])
+
+
 class BackpressureTests(FaultTestCase):
     """A client that stops reading pauses llama-server's socket through the
     agent (real sockets end to end): the child stops being able to write,
@@ -101,10 +108,22 @@ class BackpressureTests(FaultTestCase):
             return json.loads(body)["stream_bytes_sent"]
 
         before = sent()
-        total = 1000 * 65536  # 64 MiB of events, far more than the socket buffers hold
+        # What the sockets on the way can hold once the client stops reading:
+        # the child's send buffer, the agent's receive buffer from it (Linux
+        # autotunes it up to tcp_rmem's maximum), the agent's send buffer to
+        # the client, the client's receive buffer (pinned small below), and
+        # some slack for what the agent holds itself.
+        bound = tcp_buffer_max("tcp_rmem") + 2 * tcp_buffer_max("tcp_wmem") + (8 << 20)
+        events = max(1000, 2 * bound // 65536 + 1)
+        total = events * 65536  # twice what the buffers hold: without backpressure, all of it is written
+        client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)  # before connect: no autotuning
+        client.settimeout(60)
+        client.connect(("127.0.0.1", agent.port))
         conn = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=60)
+        conn.sock = client
         conn.request("POST", "/v1/chat/completions",
-                     json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": 1000, "stream": True}),
+                     json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": events, "stream": True}),
                      {"Content-Type": "application/json"})
         response = conn.getresponse()
         self.assertTrue(response.readline().startswith(b"data: "))
@@ -117,7 +136,7 @@ class BackpressureTests(FaultTestCase):
 
         wait_until(plateau, 30, interval=0.3, what="the child's writes stalled")
         stalled_at = readings[-1] - before
-        self.assertLess(stalled_at, total // 4, f"the child wrote {stalled_at} bytes into a client that reads nothing")
+        self.assertLess(stalled_at, bound, f"the child wrote {stalled_at} bytes into a client that reads nothing")
         events = read_sse(response.read())  # now read it all: it resumes and completes
         conn.close()
         self.assertEqual(events[-1], "[DONE]")
