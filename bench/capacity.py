@@ -43,10 +43,8 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -60,6 +58,7 @@ from bench.proxy_overhead import (  # noqa: E402 - after the path set-up
     Processes,
     chat_body,
     free_port,
+    run_in_workdir,
     tail,
     wait_http,
 )
@@ -409,25 +408,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--llama-server", metavar="BIN", help="llama-server binary (default: the llama extra's)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, config)")
     args = parser.parse_args(argv)
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
-    procs = Processes()
-    workdir = tempfile.mkdtemp(prefix="rolemesh-capacity-")
-    started = time.monotonic()
-    try:
-        return run(args, procs, workdir)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        procs.stop_all()
-        print(f"(total {time.monotonic() - started:.1f}s; work directory {workdir}"
-              + (" kept)" if args.keep else " removed)"), file=sys.stderr)
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+    return run_in_workdir(run, args, "rolemesh-capacity-")
 
 
 if __name__ == "__main__":

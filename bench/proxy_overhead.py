@@ -46,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -607,13 +607,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--llama-server", metavar="BIN", help="llama-server binary (default: the llama extra's)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, config)")
     args = parser.parse_args(argv)
+    return run_in_workdir(run, args, "rolemesh-bench-")
+
+
+def run_in_workdir(run: Callable[[argparse.Namespace, "Processes", str], int], args: argparse.Namespace,
+                   prefix: str) -> int:
+    """Run a benchmark in a fresh work directory; whatever happens (SIGTERM,
+    Ctrl-C, an error), stop every process it started and remove the
+    directory unless ``args.keep``."""
+    import shutil
 
     def on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
     procs = Processes()
-    workdir = tempfile.mkdtemp(prefix="rolemesh-bench-")
+    workdir = tempfile.mkdtemp(prefix=prefix)
     started = time.monotonic()
     try:
         return run(args, procs, workdir)
@@ -625,8 +634,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"(total {time.monotonic() - started:.1f}s; work directory {workdir}"
               + (" kept)" if args.keep else " removed)"), file=sys.stderr)
         if not args.keep:
-            import shutil
-
             shutil.rmtree(workdir, ignore_errors=True)
 
 
