@@ -44,6 +44,14 @@ def corrupt_model(directory: str) -> str:
     return path
 
 
+def mem_total_bytes() -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal in /proc/meminfo")
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie counts as dead)."""
     try:

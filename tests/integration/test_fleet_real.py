@@ -29,6 +29,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from tests.fixtures.llama import free_port, http_request
 from tests.integration.fake_dispatcher_server import FakeDispatcherProcess
 from tests.integration.harness import AgentProcess, pid_alive, require_llama_server, tiny_model, wait_until
+from tests.integration.test_dispatcher_real import DispatcherCase
 
 INTERVAL = 0.5
 TOKEN = "fleet-token"
@@ -80,17 +81,8 @@ def in_flight(agent: AgentProcess, device: str, key: Optional[str] = None) -> in
     raise AssertionError(f"no device {device}")
 
 
-class ReadyFlipsTests(SynchronousTestCase):
-    def setUp(self) -> None:
-        require_llama_server()
-        self.dir = os.path.abspath(self.mktemp())
-        self.model = tiny_model(self.dir, "a", 1)
-        self.dispatcher_port = free_port()
-
-    def start_dispatcher(self) -> FakeDispatcherProcess:
-        fake = FakeDispatcherProcess(self.dispatcher_port, token=TOKEN, log_path=f"{self.dir}/dispatcher.log")
-        self.addCleanup(fake.stop)
-        return fake
+class ReadyFlipsTests(DispatcherCase):
+    dispatcher_token = TOKEN
 
     def test_start_preload_dispatcher_down_and_drain(self) -> None:
         fake = self.start_dispatcher()

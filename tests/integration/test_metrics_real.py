@@ -12,6 +12,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from tests.integration.harness import (
     AgentProcess,
+    mem_total_bytes,
     require_llama_server,
     tiny_model,
     wait_until,
@@ -22,12 +23,6 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 CHAT_PATH = "/v1/chat/completions"
 
 
-def mem_total_bytes() -> int:
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no MemTotal in /proc/meminfo")
 
 
 def scrape(agent: AgentProcess) -> Dict[str, Any]:

@@ -18,6 +18,7 @@ from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from tests.integration.harness import (
     AgentProcess,
+    mem_total_bytes,
     require_llama_server,
     tiny_model,
     wait_until,
@@ -33,12 +34,6 @@ def require_two_cores() -> None:
         raise SkipTest(f"cpu_devices: 2 needs at least 2 usable cores; this process may use {cores}")
 
 
-def mem_total_bytes() -> int:
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no MemTotal in /proc/meminfo")
 
 
 def parse_cpu_list(text: str) -> List[int]:
