@@ -236,7 +236,24 @@ class GroupTests(SynchronousTestCase):
         self.assertEqual((tu.state, tu.evict), (RUNNING, ["g"]))
 
 
-class SchedulerMachine(RuleBasedStateMachine):
+class TicketRules:
+    """Rules both machines share: a running request completes, a live one is
+    cancelled (the machine holds ``scheduler`` and ``tickets``)."""
+
+    @precondition(lambda self: any(t.state == RUNNING for t in self.tickets))
+    @rule(data=st.data())
+    def complete(self, data):
+        running = [t for t in self.tickets if t.state == RUNNING]
+        self.scheduler.finish(data.draw(st.sampled_from(running)))
+
+    @precondition(lambda self: any(t.state in (QUEUED, RUNNING) for t in self.tickets))
+    @rule(data=st.data())
+    def cancel(self, data):
+        live = [t for t in self.tickets if t.state in (QUEUED, RUNNING)]
+        self.scheduler.cancel(data.draw(st.sampled_from(live)))
+
+
+class SchedulerMachine(TicketRules, RuleBasedStateMachine):
     """Random arrive / complete / cancel / load-finished / crash sequences."""
 
     def __init__(self):
@@ -279,18 +296,6 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(device=st.sampled_from(["d0", "d1"]), free=st.sampled_from([None, 0, 2 << 30, 8 << 30]))
     def memory_sampled(self, device, free):
         self.scheduler.set_free_memory(device, free)
-
-    @precondition(lambda self: any(t.state == RUNNING for t in self.tickets))
-    @rule(data=st.data())
-    def complete(self, data):
-        running = [t for t in self.tickets if t.state == RUNNING]
-        self.scheduler.finish(data.draw(st.sampled_from(running)))
-
-    @precondition(lambda self: any(t.state in (QUEUED, RUNNING) for t in self.tickets))
-    @rule(data=st.data())
-    def cancel(self, data):
-        live = [t for t in self.tickets if t.state in (QUEUED, RUNNING)]
-        self.scheduler.cancel(data.draw(st.sampled_from(live)))
 
     @rule(device=st.sampled_from(["d0", "d1"]), model=st.sampled_from(["a", "b", "c"]),
           slots=st.sampled_from([1, 2, 3]))
@@ -347,7 +352,7 @@ class SchedulerMachineTest(SynchronousTestCase):
 LANE_MODELS = {"G": ["g"], "H": ["h"]}
 
 
-class GroupSchedulerMachine(RuleBasedStateMachine):
+class GroupSchedulerMachine(TicketRules, RuleBasedStateMachine):
     """Devices d0, d1, d2; group g = d0+d1 serves G, group h = d1+d2 serves H;
     a, b, c go anywhere single or pinned.  Random arrivals, completions,
     cancels, loads and crashes; then everything drains."""
@@ -390,18 +395,6 @@ class GroupSchedulerMachine(RuleBasedStateMachine):
         else:
             assert not self.scheduler.devices[ticket.device].is_group
         self.tickets.append(ticket)
-
-    @precondition(lambda self: any(t.state == RUNNING for t in self.tickets))
-    @rule(data=st.data())
-    def complete(self, data):
-        running = [t for t in self.tickets if t.state == RUNNING]
-        self.scheduler.finish(data.draw(st.sampled_from(running)))
-
-    @precondition(lambda self: any(t.state in (QUEUED, RUNNING) for t in self.tickets))
-    @rule(data=st.data())
-    def cancel(self, data):
-        live = [t for t in self.tickets if t.state in (QUEUED, RUNNING)]
-        self.scheduler.cancel(data.draw(st.sampled_from(live)))
 
     @rule(lane=st.sampled_from(["d0", "d1", "d2", "g", "h"]), model=st.sampled_from([None, "a", "G"]))
     def load_reported(self, lane, model):
