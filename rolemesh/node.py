@@ -26,6 +26,7 @@ from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.estimate import GGUFFacts, MemoryEstimate, capacity_of, estimate_on, gib, shared_memory
 from rolemesh.interfaces import IDeviceBackend
+from rolemesh.payloads import device_state
 from rolemesh.reactor import UsesReactor
 from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
 from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor
@@ -739,22 +740,14 @@ class Node(MultiService, UsesReactor):
             book = self.scheduler.devices[device.name]
             metrics = self.metrics.get(device.name)
             snap = supervisor.snapshot()
-            out.append(
-                {
-                    "device": device.name,
-                    "state": snap["state"],
-                    "model": snap["model"],
-                    "port": snap["port"],
-                    "pid": snap["pid"],
-                    "in_flight": len(book.running),
-                    "queued": len(book.queue),
-                    "pending_limit": self.scheduler.pending_limit,
-                    "restarts": snap["restarts"],
-                    "metrics": metrics.to_json(now) if metrics else None,
-                    **self._telemetry_state(supervisor, len(book.queue), metrics),
-                    "group": self._group_on(device.name),
-                }
+            entry = device_state(
+                device.name, snap["state"], now=now, model=snap["model"], port=snap["port"], pid=snap["pid"],
+                in_flight=len(book.running), queued=len(book.queue), pending_limit=self.scheduler.pending_limit,
+                restarts=snap["restarts"], metrics=metrics,
             )
+            entry.update(self._telemetry_state(supervisor, len(book.queue), metrics))
+            entry["group"] = self._group_on(device.name)
+            out.append(entry)
         return out
 
     def inventory(self) -> Dict[str, Any]:

@@ -91,8 +91,9 @@ def device_state(
 ) -> dict[str, Any]:
     """One entry of a heartbeat's ``devices`` list, in the documented shape.
 
-    A convenience for the caller that assembles heartbeats: it keeps the key
-    names in one place and turns the metrics record into JSON with its age.
+    The one place these key names live (``Node.device_states`` builds its
+    entries with it and adds telemetry); turns the metrics record into JSON
+    with its age.
     """
     return {
         "device": device,
