@@ -382,40 +382,95 @@ def make_service(
     ``environ`` is where systemd's NOTIFY_SOCKET / WATCHDOG_USEC are read.
     """
     check_service_config(config)
-    if backend is None:
-        choice = choose_backend(config, reactor)
-        backend, devices = choice.backend, choice.devices
-        log.info("backend {backend}: {reason}", backend=choice.backend.name, reason=choice.reason)
-    assert devices is not None
+    backend, devices = _backend_and_devices(config, reactor, backend, devices)
     names = [d.name for d in devices]
     check_service_config(config, names)
-    if binary is None:
-        binary = resolve_binary(config)
-        fine, about = llama_build.describe(binary)
-        (log.info if fine else log.warn)("{about}", about=about)
-
-    pidfiles = PidFiles(config.state_dir)
-    swept = pidfiles.sweep()
-    if swept:
-        log.warn("swept {count} stale llama-server process(es) from an earlier run", count=len(swept))
-
-    factory = supervisor_factory or DeviceSupervisor
-    supervisors = [factory(d, backend, config, binary, reactor=reactor, pidfiles=pidfiles) for d in devices]
-    by_name = {d.name: d for d in devices}
-    for group in groups_of(config.models):  # one supervisor per device group the models name
-        members = [by_name[n] for n in group]
-        supervisors.append(factory(members[0], backend, config, binary, reactor=reactor, pidfiles=pidfiles,
-                                   members=members))
-    node = Node(config, backend, devices, supervisors, reactor=reactor, read_facts=read_model_facts)
-    for model in config.models:
-        problem = node.too_large(model)
-        if problem is not None:
-            log.warn("{message}", message=problem.message)
+    binary = binary if binary is not None else _llama_server(config)
+    supervisors = _supervisors(config, backend, devices, binary, supervisor_factory or DeviceSupervisor, reactor)
+    node = _node(config, backend, devices, supervisors, reactor)
     max_parallel = max([m.parallel for m in config.models] or [1])
     proxy = Proxy(reactor=reactor, max_per_host=max(2, max_parallel), coalesce_s=config.stream_coalesce_ms / 1000.0)
 
     root = NodeAgentService(config, node, proxy, reactor=reactor)
     registration = _registration_builder(lambda: root.config, backend, devices, node)
+    api = _serve_api(root, config, node, proxy, registration, reactor)
+    if config.dispatcher_base_url:
+        root.dispatcher = _dispatcher(config, node, registration, reactor)
+        root.dispatcher.setServiceParent(root)
+    root.notifier = SystemdNotifier(root.status_line, environ=environ, reactor=reactor)
+    root.reloader = _reloader(root, node, api, config_paths, reload_overrides, names)
+    return root
+
+
+def _backend_and_devices(
+    config: NodeConfig, reactor: Any, backend: Optional[IDeviceBackend], devices: Optional[Sequence[DeviceRef]]
+) -> Tuple[IDeviceBackend, Sequence[DeviceRef]]:
+    """The given backend and devices (tests), else the ones the config chooses here."""
+    if backend is None:
+        choice = choose_backend(config, reactor)
+        backend, devices = choice.backend, choice.devices
+        log.info("backend {backend}: {reason}", backend=choice.backend.name, reason=choice.reason)
+    assert devices is not None
+    return backend, devices
+
+
+def _llama_server(config: NodeConfig) -> str:
+    """The llama-server binary the config names or the one installed; says which build it is."""
+    binary = resolve_binary(config)
+    fine, about = llama_build.describe(binary)
+    (log.info if fine else log.warn)("{about}", about=about)
+    return binary
+
+
+def _supervisors(
+    config: NodeConfig,
+    backend: IDeviceBackend,
+    devices: Sequence[DeviceRef],
+    binary: str,
+    factory: Callable[..., DeviceSupervisor],
+    reactor: Any,
+) -> List[DeviceSupervisor]:
+    """One supervisor per device and per device group the models name, after
+    sweeping llama-servers an earlier run left behind."""
+    pidfiles = PidFiles(config.state_dir)
+    swept = pidfiles.sweep()
+    if swept:
+        log.warn("swept {count} stale llama-server process(es) from an earlier run", count=len(swept))
+    supervisors = [factory(d, backend, config, binary, reactor=reactor, pidfiles=pidfiles) for d in devices]
+    by_name = {d.name: d for d in devices}
+    for group in groups_of(config.models):
+        members = [by_name[n] for n in group]
+        supervisors.append(factory(members[0], backend, config, binary, reactor=reactor, pidfiles=pidfiles,
+                                   members=members))
+    return supervisors
+
+
+def _node(
+    config: NodeConfig,
+    backend: IDeviceBackend,
+    devices: Sequence[DeviceRef],
+    supervisors: List[DeviceSupervisor],
+    reactor: Any,
+) -> Node:
+    """The node over the supervisors; warns of models too large for any device."""
+    node = Node(config, backend, devices, supervisors, reactor=reactor, read_facts=read_model_facts)
+    for model in config.models:
+        problem = node.too_large(model)
+        if problem is not None:
+            log.warn("{message}", message=problem.message)
+    return node
+
+
+def _serve_api(
+    root: NodeAgentService,
+    config: NodeConfig,
+    node: Node,
+    proxy: Proxy,
+    registration: Callable[[], dict],
+    reactor: Any,
+) -> NodeAPI:
+    """The HTTP API with its metrics, and the listener serving it (TLS with a
+    certificate: ConfigError on bad files), as children of ``root``."""
     metrics = NodeMetrics(node, root)
     api = NodeAPI(config, node, proxy, registration=registration, render_metrics=metrics.render,
                   observers=[metrics.observe], readiness=root.readiness, reload=root.reload)
@@ -434,22 +489,29 @@ def make_service(
                                  endpoint=config.listen, tls=root.tls, reactor=reactor)
     listener.setServiceParent(root)
     root.listener = listener
+    return api
 
-    if config.dispatcher_base_url:
-        root.dispatcher = _dispatcher(config, node, registration, reactor)
-        root.dispatcher.setServiceParent(root)
-    root.notifier = SystemdNotifier(root.status_line, environ=environ, reactor=reactor)
-    root.reloader = Reloader(*config_paths, node=node, api=api, service=root, dispatcher=root.dispatcher,
-                             overrides=reload_overrides,
-                             check=lambda new: check_service_config(new, names))
+
+def _reloader(
+    root: NodeAgentService,
+    node: Node,
+    api: NodeAPI,
+    config_paths: Tuple[Optional[str], Optional[str]],
+    overrides: Optional[Mapping[str, Any]],
+    names: Sequence[str],
+) -> Reloader:
+    """What ``SIGHUP`` and ``POST /v1/node/reload`` run."""
+    reloader = Reloader(*config_paths, node=node, api=api, service=root, dispatcher=root.dispatcher,
+                        overrides=overrides,
+                        check=lambda new: check_service_config(new, names))
     # Certificates rotate: a reload re-reads them (new connections get the
     # new ones, connections in flight keep theirs; bad files keep the old).
     if root.tls is not None:
-        root.reloader.add_self_reloading("listener TLS", root.tls.reload_for)
+        reloader.add_self_reloading("listener TLS", root.tls.reload_for)
     policy = getattr(root.dispatcher, "tls_policy", None)
     if policy is not None:
-        root.reloader.add_self_reloading("dispatcher TLS", policy.reload_for)
-    return root
+        reloader.add_self_reloading("dispatcher TLS", policy.reload_for)
+    return reloader
 
 
 def _registration_builder(
