@@ -190,21 +190,34 @@ class DispatcherClient(Service):
         self._heartbeat = heartbeat
         self.interval = float(interval)
         self._reactor = reactor
+        self.on_result = on_result
+        self._connect(http, request_timeout, deregister_timeout, tls_policy)
+        self._retry_policy(backoff_base, backoff_cap, slow_retry, random)
+        self._start_books()
+
+    def _connect(self, http: Any, request_timeout: float, deregister_timeout: float, tls_policy: Any) -> None:
+        """The HTTP client (``http``, else a quiet treq on the reactor) and its time limits."""
         #: The :class:`rolemesh.tls.DispatcherTLSPolicy` (None: treq's default
         #: for https://); its ``reload_for`` is the config-reload hook.
         self.tls_policy = tls_policy
         #: HTTPS connections to close on stop (see :func:`_tls_pool`).
-        self._pool = _tls_pool(reactor) if http is None and tls_policy is not None else None
-        self._http = http if http is not None else _default_http(reactor, request_timeout, tls_policy, self._pool)
+        self._pool = _tls_pool(self._reactor) if http is None and tls_policy is not None else None
+        self._http = (http if http is not None
+                      else _default_http(self._reactor, request_timeout, tls_policy, self._pool))
         self.request_timeout = float(request_timeout)
         self.deregister_timeout = float(deregister_timeout)
+
+    def _retry_policy(self, backoff_base: float | None, backoff_cap: float | None, slow_retry: float | None,
+                      random: Callable[[], float]) -> None:
+        """Back-off after transient failures; the slow retry after refusals."""
         cap = float(backoff_cap) if backoff_cap is not None else self.interval
         base = float(backoff_base) if backoff_base is not None else min(1.0, cap / 4)
         self._backoff = Backoff(base, cap, random)
         #: Delay between attempts once the dispatcher refused us (401/403/4xx).
         self.slow_retry = float(slow_retry) if slow_retry is not None else max(60.0, 10 * self.interval)
-        self.on_result = on_result
 
+    def _start_books(self) -> None:
+        """The state, counters and loop bookkeeping of a client that has not sent anything yet."""
         #: ``"unregistered"``, ``"registered"`` or ``"unreachable"``.
         self.state = UNREGISTERED
         #: ``reactor.seconds()`` of the last answered-OK request, or None.
