@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple, cast
 
 import yaml
 
@@ -141,10 +141,14 @@ def run(config: NodeConfig, config_paths: Tuple[Optional[str], Optional[str]] = 
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner
 
+    from rolemesh.interfaces import IAgentReactor
     from rolemesh.logs import make_observer
     from rolemesh.service import make_service
 
-    service = make_service(config, reactor=reactor, config_paths=config_paths,  # ConfigError: exit 2
+    # Twisted types the global reactor with the interfaces every platform has;
+    # the POSIX reactors provide the rest too (tests/test_reactor.py).
+    agent_reactor = cast(IAgentReactor, reactor)
+    service = make_service(config, reactor=agent_reactor, config_paths=config_paths,  # ConfigError: exit 2
                            reload_overrides=overrides)
     globalLogBeginner.beginLoggingTo([make_observer(config.log_format, sys.stderr)], redirectStandardIO=False)
     failed: List[BaseException] = []

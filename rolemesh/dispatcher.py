@@ -16,19 +16,24 @@ from __future__ import annotations
 
 import random as _random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
+from treq.client import HTTPClient
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.iweb import IPolicyForHTTPS
 
 from rolemesh import __version__
 from rolemesh.backoff import Backoff
 from rolemesh.http_client import quiet_pool, quiet_treq
+from rolemesh.interfaces import IHTTPClientReactor
 from rolemesh.payloads import deregistration_payload
 from rolemesh.reactor import resolve_reactor
-from rolemesh.tls import describe_tls_failure
+from rolemesh.tls import DispatcherTLSPolicy, describe_tls_failure
 
 REGISTER_PATH = "/v1/nodes/register"
 HEARTBEAT_PATH = "/v1/nodes/heartbeat"
@@ -74,7 +79,8 @@ def classify(kind: str, code: int | None) -> str:
     return REJECTED
 
 
-def _default_http(reactor: Any, timeout: float, tls_policy: Any = None, pool: Any = None) -> Any:
+def _default_http(reactor: IHTTPClientReactor, timeout: float, tls_policy: IPolicyForHTTPS | None = None,
+                  pool: HTTPConnectionPool | None = None) -> HTTPClient:
     """A treq ``HTTPClient`` on ``reactor`` with a bounded connect time.
 
     ``tls_policy`` (an ``IPolicyForHTTPS``, see
@@ -90,14 +96,11 @@ def _default_http(reactor: Any, timeout: float, tls_policy: Any = None, pool: An
     """
     if tls_policy is None:
         return quiet_treq(reactor, persistent=False, connect_timeout=timeout)
-    from treq.client import HTTPClient
-    from twisted.web.client import Agent
-
     return HTTPClient(Agent(reactor, contextFactory=tls_policy, connectTimeout=timeout,
                             pool=pool or _tls_pool(reactor)))
 
 
-def _tls_pool(reactor: Any) -> Any:
+def _tls_pool(reactor: IReactorTime) -> HTTPConnectionPool:
     """The pool for HTTPS to the dispatcher: connections the client closes itself.
 
     A TLS connection still exchanging close_notify when the reactor shuts
@@ -140,6 +143,15 @@ def _without_userinfo(url: str) -> str:
     return f"{scheme}://{host.rpartition('@')[2]}{slash}{path}"
 
 
+class PostsJSON(Protocol):
+    """What the client needs of its HTTP client: treq's ``post`` (a
+    ``treq.client.HTTPClient``, or ``treq.testing.StubTreq`` in tests),
+    firing with treq's response (``.code``, ``.content()``)."""
+
+    def post(self, url: str, /, *, json: Any = ..., headers: Any = ..., allow_redirects: bool = ...,
+             reactor: Any = ...) -> Deferred[Any]: ...
+
+
 class DispatcherClient(Service):
     """Registers the node, heartbeats it, and deregisters it on shutdown.
 
@@ -167,8 +179,8 @@ class DispatcherClient(Service):
         registration: Callable[[], dict[str, Any]],
         heartbeat: Callable[[], dict[str, Any]],
         interval: float,
-        reactor: Any = None,
-        http: Any = None,
+        reactor: IHTTPClientReactor | None = None,
+        http: PostsJSON | None = None,
         request_timeout: float = 5.0,
         *,
         backoff_base: float | None = None,
@@ -177,7 +189,7 @@ class DispatcherClient(Service):
         deregister_timeout: float = 2.0,
         random: Callable[[], float] = _random.random,
         on_result: Callable[[str, bool], None] | None = None,
-        tls_policy: Any = None,
+        tls_policy: DispatcherTLSPolicy | None = None,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be positive, got {interval!r}")
@@ -195,14 +207,15 @@ class DispatcherClient(Service):
         self._retry_policy(backoff_base, backoff_cap, slow_retry, random)
         self._start_books()
 
-    def _connect(self, http: Any, request_timeout: float, deregister_timeout: float, tls_policy: Any) -> None:
+    def _connect(self, http: PostsJSON | None, request_timeout: float, deregister_timeout: float,
+                 tls_policy: DispatcherTLSPolicy | None) -> None:
         """The HTTP client (``http``, else a quiet treq on the reactor) and its time limits."""
         #: The :class:`rolemesh.tls.DispatcherTLSPolicy` (None: treq's default
         #: for https://); its ``reload_for`` is the config-reload hook.
         self.tls_policy = tls_policy
         #: HTTPS connections to close on stop (see :func:`_tls_pool`).
         self._pool = _tls_pool(self._reactor) if http is None and tls_policy is not None else None
-        self._http = (http if http is not None
+        self._http: PostsJSON = (http if http is not None
                       else _default_http(self._reactor, request_timeout, tls_policy, self._pool))
         self.request_timeout = float(request_timeout)
         self.deregister_timeout = float(deregister_timeout)
@@ -234,7 +247,7 @@ class DispatcherClient(Service):
         self._problem_since: float | None = None
         self._failed_attempts = 0
         self._builder_broken = False
-        self._call: Any = None
+        self._call: IDelayedCall | None = None
         self._inflight: Deferred[Any] | None = None
         self._register_again = False
 

@@ -13,19 +13,22 @@ One place builds them so that they all
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
+from treq.client import HTTPClient
 from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint, wrapClientTLS
-from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
+from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
+from twisted.web.client import URI, Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
 from twisted.web.error import SchemeNotSupported
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
+from rolemesh.interfaces import IHTTPClientReactor
 from rolemesh.twisted_compat import quiet_connection_pool
 
 
-def quiet_pool(reactor: Any, persistent: bool) -> HTTPConnectionPool:
+def quiet_pool(reactor: IReactorTime, persistent: bool) -> HTTPConnectionPool:
     """A connection pool whose connections do not log their life."""
     return quiet_connection_pool(reactor, persistent)
 
@@ -35,13 +38,13 @@ class LiteralAddressEndpoints:
     """Plain TCP endpoints for ``http://<ip literal>``; what ``Agent`` builds
     itself (name resolution, TLS) for everything else, from public parts."""
 
-    def __init__(self, reactor: Any, connect_timeout: Optional[float] = None) -> None:
+    def __init__(self, reactor: IHTTPClientReactor, connect_timeout: Optional[float] = None) -> None:
         self._reactor = reactor
         self._timeout = connect_timeout or 30
         self._connect_timeout = connect_timeout
         self._tls_policy = BrowserLikePolicyForHTTPS()
 
-    def endpointForURI(self, uri: Any) -> Any:  # noqa: N802 - Twisted's name
+    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:  # noqa: N802 - Twisted's name
         host = uri.host.decode("ascii", "replace")
         if uri.scheme == b"http":
             if isIPAddress(host):
@@ -57,15 +60,14 @@ class LiteralAddressEndpoints:
         raise SchemeNotSupported(f"Unsupported scheme: {uri.scheme!r}")
 
 
-def quiet_agent(reactor: Any, persistent: bool, connect_timeout: Optional[float] = None,
+def quiet_agent(reactor: IHTTPClientReactor, persistent: bool, connect_timeout: Optional[float] = None,
                 pool: Optional[HTTPConnectionPool] = None) -> Agent:
     """An Agent on a quiet pool (``pool`` if given) that does not resolve IP literals."""
     pool = pool or quiet_pool(reactor, persistent)
     return Agent.usingEndpointFactory(reactor, LiteralAddressEndpoints(reactor, connect_timeout), pool=pool)
 
 
-def quiet_treq(reactor: Any, persistent: bool = False, connect_timeout: Optional[float] = None) -> Any:
+def quiet_treq(reactor: IHTTPClientReactor, persistent: bool = False,
+               connect_timeout: Optional[float] = None) -> HTTPClient:
     """A treq ``HTTPClient`` on a quiet Agent."""
-    from treq.client import HTTPClient
-
     return HTTPClient(quiet_agent(reactor, persistent, connect_timeout))

@@ -1,8 +1,22 @@
 """The interfaces the agent's parts meet at.  Every provider (fakes in the
-tests included) is checked with ``zope.interface.verify.verifyObject``."""
+tests included) is checked with ``zope.interface.verify.verifyObject``.
+
+The ``I...Reactor`` names at the end are the exception: they name, for the
+type checker, the sets of Twisted reactor interfaces a part needs from the
+reactor it is given.  No reactor declares them; the real reactor provides
+every one of their bases (``tests/test_reactor.py`` checks that).
+"""
 
 from __future__ import annotations
 
+from twisted.internet.interfaces import (
+    IReactorCore,
+    IReactorPluggableNameResolver,
+    IReactorProcess,
+    IReactorTCP,
+    IReactorThreads,
+    IReactorTime,
+)
 from zope.interface import Attribute, Interface
 
 
@@ -40,3 +54,18 @@ class IDeviceBackend(Interface):
     def child_arguments(device):
         """Return a mapping of llama-server flag -> value that the device wants
         unless the model sets the flag itself (e.g. ``cpu-range``, ``threads``)."""
+
+
+class IHTTPClientReactor(IReactorTime, IReactorTCP, IReactorPluggableNameResolver):
+    """What an HTTP client on the reactor needs: ``Agent`` and the connection
+    pool schedule timeouts, ``HostnameEndpoint`` resolves names and connects."""
+
+
+class IBackendReactor(IReactorTime, IReactorProcess, IReactorThreads):
+    """What a device backend needs: it spawns the vendor tools and bounds them
+    in time, and runs blocking library calls (NVML) on the thread pool."""
+
+
+class IAgentReactor(IHTTPClientReactor, IBackendReactor, IReactorCore):
+    """Everything the agent asks of the reactor it runs on; what the service
+    tree is built with and hands on to its parts."""

@@ -26,7 +26,7 @@ reload, changed config or not.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attr
 from twisted.logger import Logger
@@ -35,6 +35,12 @@ from rolemesh.backends.groups import GROUP_SEPARATOR
 from rolemesh.config import ModelConfig, NodeConfig, load_config
 from rolemesh.errors import ConfigError
 from rolemesh.llama_args import build_argv
+
+if TYPE_CHECKING:  # they all hold a Reloader or are built beside one
+    from rolemesh.api import NodeAPI
+    from rolemesh.dispatcher import DispatcherClient
+    from rolemesh.node import Node
+    from rolemesh.service import NodeAgentService
 
 log = Logger()
 
@@ -213,10 +219,10 @@ class Reloader:
         config_path: Optional[str],
         override_path: Optional[str],
         *,
-        node: Any,
-        api: Any,
-        service: Any,
-        dispatcher: Any = None,
+        node: Node,
+        api: NodeAPI,
+        service: NodeAgentService,
+        dispatcher: Optional[DispatcherClient] = None,
         check: Callable[[NodeConfig], None] = lambda config: None,
         load: Callable[..., NodeConfig] = load_config,
         overrides: Optional[Mapping[str, Any]] = None,

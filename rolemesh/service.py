@@ -29,12 +29,14 @@ import os
 import signal
 import sys
 import threading
+from types import FrameType
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import attr
-from twisted.application.service import MultiService
+from twisted.application.service import IService, MultiService
 from twisted.internet import defer
 from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -47,7 +49,7 @@ from rolemesh.devices import DeviceRef
 from rolemesh.dispatcher import DispatcherClient
 from rolemesh.errors import ConfigError
 from rolemesh.estimate import EstimateError, GGUFFacts, read_facts
-from rolemesh.interfaces import IDeviceBackend
+from rolemesh.interfaces import IAgentReactor, IBackendReactor, IDeviceBackend
 from rolemesh.listener import GuardedSite, listening_service
 from rolemesh.metrics import NodeMetrics
 from rolemesh.node import Node
@@ -117,12 +119,12 @@ def resolve_binary(config: NodeConfig) -> str:
 
 @attr.s(auto_attribs=True, frozen=True)
 class BackendChoice:
-    backend: Any
+    backend: IDeviceBackend
     reason: str
     devices: Tuple[DeviceRef, ...]
 
 
-def choose_backend(config: NodeConfig, reactor: Any = None) -> BackendChoice:
+def choose_backend(config: NodeConfig, reactor: Optional[IBackendReactor] = None) -> BackendChoice:
     """Pick and start the device backend, discover devices, apply the allow-list.
 
     Raises ConfigError with one line when the backend is absent or the
@@ -143,16 +145,16 @@ def choose_backend(config: NodeConfig, reactor: Any = None) -> BackendChoice:
     return BackendChoice(backend, reason, tuple(devices))
 
 
-class NodeAgentService(MultiService, UsesReactor):
+class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
     """The root service; owns the shutdown order."""
 
-    def __init__(self, config: NodeConfig, node: Node, proxy: Proxy, reactor: Any = None) -> None:
+    def __init__(self, config: NodeConfig, node: Node, proxy: Proxy, reactor: Optional[IAgentReactor] = None) -> None:
         super().__init__()
         self.config = config
         self.node = node
         self.proxy = proxy
-        self.listener: Optional[Any] = None
-        self.dispatcher: Optional[Any] = None
+        self.listener: Optional[IService] = None
+        self.dispatcher: Optional[DispatcherClient] = None
         #: The listener's :class:`~rolemesh.tls.ServerTLS` (None for plain
         #: HTTP); ``tls.reload()`` rotates the certificate.
         self.tls: Optional[ServerTLS] = None
@@ -166,7 +168,7 @@ class NodeAgentService(MultiService, UsesReactor):
         self.reloader: Optional[Reloader] = None
         #: What the shutdown is doing now (named when it overruns its deadline).
         self._phase = "not stopping"
-        self._overdue: Any = None
+        self._overdue: Optional[IDelayedCall] = None
         #: Called with the exit status when the shutdown deadline passes.
         self.hard_exit: Callable[[int], None] = _exit_now
 
@@ -220,7 +222,7 @@ class NodeAgentService(MultiService, UsesReactor):
         if threading.current_thread() is not threading.main_thread():
             return
 
-        def handler(signum: int, frame: Any) -> None:
+        def handler(signum: int, frame: Optional[FrameType]) -> None:
             if self._drain is not None and not self._drain.called:
                 self.reactor.callFromThread(self._skip_drain)
             else:
@@ -237,7 +239,7 @@ class NodeAgentService(MultiService, UsesReactor):
         if threading.current_thread() is not threading.main_thread() or self.reloader is None:
             return
 
-        def handler(signum: int, frame: Any) -> None:
+        def handler(signum: int, frame: Optional[FrameType]) -> None:
             self.reactor.callFromThread(self.reload, "SIGHUP")
 
         try:
@@ -366,7 +368,7 @@ class NodeAgentService(MultiService, UsesReactor):
 def make_service(
     config: NodeConfig,
     *,
-    reactor: Any = None,
+    reactor: Optional[IAgentReactor] = None,
     backend: Optional[IDeviceBackend] = None,
     devices: Optional[Sequence[DeviceRef]] = None,
     binary: Optional[str] = None,
@@ -403,7 +405,10 @@ def make_service(
 
 
 def _backend_and_devices(
-    config: NodeConfig, reactor: Any, backend: Optional[IDeviceBackend], devices: Optional[Sequence[DeviceRef]]
+    config: NodeConfig,
+    reactor: Optional[IAgentReactor],
+    backend: Optional[IDeviceBackend],
+    devices: Optional[Sequence[DeviceRef]],
 ) -> Tuple[IDeviceBackend, Sequence[DeviceRef]]:
     """The given backend and devices (tests), else the ones the config chooses here."""
     if backend is None:
@@ -428,7 +433,7 @@ def _supervisors(
     devices: Sequence[DeviceRef],
     binary: str,
     factory: Callable[..., DeviceSupervisor],
-    reactor: Any,
+    reactor: Optional[IAgentReactor],
 ) -> List[DeviceSupervisor]:
     """One supervisor per device and per device group the models name, after
     sweeping llama-servers an earlier run left behind."""
@@ -450,7 +455,7 @@ def _node(
     backend: IDeviceBackend,
     devices: Sequence[DeviceRef],
     supervisors: List[DeviceSupervisor],
-    reactor: Any,
+    reactor: Optional[IAgentReactor],
 ) -> Node:
     """The node over the supervisors; warns of models too large for any device."""
     node = Node(config, backend, devices, supervisors, reactor=reactor, read_facts=read_model_facts)
@@ -467,7 +472,7 @@ def _serve_api(
     node: Node,
     proxy: Proxy,
     registration: Callable[[], dict],
-    reactor: Any,
+    reactor: Optional[IAgentReactor],
 ) -> NodeAPI:
     """The HTTP API with its metrics, and the listener serving it (TLS with a
     certificate: ConfigError on bad files), as children of ``root``."""
@@ -515,7 +520,10 @@ def _reloader(
 
 
 def _registration_builder(
-    current: Callable[[], NodeConfig], backend: Any, devices: Sequence[DeviceRef], node: Optional[Node] = None
+    current: Callable[[], NodeConfig],
+    backend: IDeviceBackend,
+    devices: Sequence[DeviceRef],
+    node: Optional[Node] = None,
 ) -> Callable[[], dict]:
     """The registration payload of the running config (a reload changes it)."""
 
@@ -562,7 +570,8 @@ def check_service_config(config: NodeConfig, device_names: Optional[Sequence[str
             )
 
 
-def _dispatcher(config: NodeConfig, node: Node, registration: Callable[[], dict], reactor: Any) -> DispatcherClient:
+def _dispatcher(config: NodeConfig, node: Node, registration: Callable[[], dict],
+                reactor: Optional[IAgentReactor]) -> DispatcherClient:
     seq = itertools.count(1)
 
     def heartbeat() -> dict:

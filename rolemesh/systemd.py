@@ -24,6 +24,7 @@ import os
 import socket
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
@@ -109,13 +110,13 @@ def status_line(
     return line
 
 
-def _datagram_socket(address: str) -> Any:
+def _datagram_socket(address: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     sock.setblocking(False)
     return sock
 
 
-class SystemdNotifier(UsesReactor):
+class SystemdNotifier(UsesReactor[IReactorTime]):
     """Sends the notify messages of a ``Type=notify`` service.
 
     ``status`` is called for the current STATUS= line (see
@@ -128,8 +129,8 @@ class SystemdNotifier(UsesReactor):
         *,
         environ: Optional[Mapping[str, str]] = None,
         pid: Optional[int] = None,
-        reactor: Any = None,
-        make_socket: Callable[[str], Any] = _datagram_socket,
+        reactor: Optional[IReactorTime] = None,
+        make_socket: Callable[[str], socket.socket] = _datagram_socket,
         status_interval: float = STATUS_INTERVAL_S,
     ) -> None:
         env = os.environ if environ is None else environ
@@ -139,7 +140,7 @@ class SystemdNotifier(UsesReactor):
         self._reactor = reactor
         self._make_socket = make_socket
         self._status_interval = status_interval
-        self._socket: Any = None
+        self._socket: Optional[socket.socket] = None
         self._last_status: Optional[str] = None
         self._send_failed = False
         self._loops: Dict[str, LoopingCall] = {}

@@ -34,6 +34,8 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from rolemesh.devices import DeviceMetrics
+from rolemesh.interfaces import IHTTPClientReactor
 from rolemesh.reactor import UsesReactor
 
 log = Logger()
@@ -393,7 +395,8 @@ def issue(code: str, message: Optional[str], model: Optional[str], at: Optional[
     return {"code": code, "message": (message or code)[:300], "model": model, "at": at}
 
 
-def device_issues(supervisor: Any, telemetry: Optional[ChildTelemetry], device_metrics: Any) -> List[Dict[str, Any]]:
+def device_issues(supervisor: Any, telemetry: Optional[ChildTelemetry],
+                  device_metrics: Optional[DeviceMetrics]) -> List[Dict[str, Any]]:
     """The device's current problems, each with a stable ``code``, the model
     it concerns (or None) and since when (reactor seconds: POSIX time on the
     real reactor, the clock the heartbeat's ``time`` uses too)."""
@@ -420,13 +423,13 @@ def device_issues(supervisor: Any, telemetry: Optional[ChildTelemetry], device_m
 # The sampler (I/O)
 
 
-def _treq_get(reactor: Any) -> Callable[..., Deferred]:
+def _treq_get(reactor: IHTTPClientReactor) -> Callable[..., Deferred]:
     from rolemesh.http_client import quiet_treq
 
-    return quiet_treq(reactor, persistent=False, connect_timeout=TELEMETRY_TIMEOUT_S).get  # type: ignore[no-any-return]
+    return quiet_treq(reactor, persistent=False, connect_timeout=TELEMETRY_TIMEOUT_S).get
 
 
-class TelemetrySampler(UsesReactor):
+class TelemetrySampler(UsesReactor[IHTTPClientReactor]):
     """Samples every ready child's ``/metrics`` and ``/slots``.
 
     ``get`` is a treq-like ``get(url)`` (tests pass a
@@ -438,7 +441,7 @@ class TelemetrySampler(UsesReactor):
     def __init__(
         self,
         supervisors: Mapping[str, Any],
-        reactor: Any = None,
+        reactor: Optional[IHTTPClientReactor] = None,
         get: Optional[Callable[..., Deferred]] = None,
         timeout: float = TELEMETRY_TIMEOUT_S,
     ) -> None:

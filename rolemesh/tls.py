@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import attr
 from cryptography import x509
@@ -32,12 +32,20 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtensionOID, NameOID
 from OpenSSL import SSL, crypto
 from twisted.internet import ssl
-from twisted.internet.interfaces import IOpenSSLServerConnectionCreator
+from twisted.internet.interfaces import (
+    IOpenSSLClientConnectionCreator,
+    IOpenSSLServerConnectionCreator,
+)
 from twisted.logger import Logger
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
 from rolemesh.errors import ConfigError
+
+if TYPE_CHECKING:  # rolemesh.config imports this module
+    from twisted.protocols.tls import TLSMemoryBIOProtocol
+
+    from rolemesh.config import NodeConfig
 
 log = Logger()
 
@@ -261,7 +269,7 @@ def _openssl_key(private_key: Any) -> crypto.PKey:
     return crypto.PKey.from_cryptography_key(private_key)
 
 
-def _trust_root(cas: Sequence[x509.Certificate]) -> Any:
+def _trust_root(cas: Sequence[x509.Certificate]) -> Any:  # Twisted's IOpenSSLTrustRoot is private
     return ssl.trustRootFromCertificates([ssl.Certificate(_openssl_x509(c)) for c in cas])
 
 
@@ -345,7 +353,7 @@ class ServerTLS:
         log.info("TLS certificate reloaded: {certificate}", certificate=self.describe())
         return loaded.summary
 
-    def reload_for(self, config: Any) -> Optional[str]:
+    def reload_for(self, config: NodeConfig) -> Optional[str]:
         """The config-reload hook (:meth:`rolemesh.reload.Reloader.add_self_reloading`).
 
         Re-reads the files ``config.tls`` names (the running paths: a change
@@ -361,7 +369,7 @@ class ServerTLS:
             return f"kept the previous certificate: {e}"
         return f"certificate reloaded: {self.describe()}"
 
-    def serverConnectionForTLS(self, tlsProtocol: Any) -> SSL.Connection:  # noqa: N802 - Twisted's name
+    def serverConnectionForTLS(self, tlsProtocol: TLSMemoryBIOProtocol) -> SSL.Connection:  # noqa: N802 - Twisted's name
         return SSL.Connection(self._loaded.options.getContext(), None)
 
 
@@ -405,7 +413,7 @@ class DispatcherTLSPolicy:
         self.files, self._trust_root, self._client_certificate = files, fresh._trust_root, fresh._client_certificate
         log.info("dispatcher TLS files reloaded")
 
-    def reload_for(self, config: Any) -> Optional[str]:
+    def reload_for(self, config: NodeConfig) -> Optional[str]:
         """The config-reload hook, like :meth:`ServerTLS.reload_for`."""
         try:
             self.reload(getattr(config, "dispatcher_tls", None) or self.files)
@@ -414,7 +422,7 @@ class DispatcherTLSPolicy:
             return f"kept the previous dispatcher TLS files: {e}"
         return "dispatcher CA and client certificate reloaded"
 
-    def creatorForNetloc(self, hostname: bytes, port: int) -> Any:  # noqa: N802 - Twisted's name
+    def creatorForNetloc(self, hostname: bytes, port: int) -> IOpenSSLClientConnectionCreator:  # noqa: N802 - Twisted's name
         return ssl.optionsForClientTLS(
             hostname.decode("ascii"),
             trustRoot=self._trust_root,

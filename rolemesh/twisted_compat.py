@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 from twisted.web._newclient import RequestNotSent  # not in twisted.web.client.__all__
 from twisted.web.client import HTTPConnectionPool, RequestTransmissionFailed, ResponseNeverReceived
+from twisted.web.iweb import IRequest
 
 #: Failures of an HTTP request that llama-server cannot have acted on: the
 #: request was not sent, or not completely, or the connection closed before
@@ -27,7 +29,7 @@ def never_sent(failure: Failure) -> bool:
     return bool(failure.check(*NEVER_SENT))
 
 
-def client_disconnected(request: Any) -> bool:
+def client_disconnected(request: IRequest) -> bool:
     """True once the client of a ``twisted.web`` request has gone.
 
     ``Request`` records a lost connection only in ``_disconnected``;
@@ -37,7 +39,7 @@ def client_disconnected(request: Any) -> bool:
     return bool(getattr(request, "_disconnected", False))
 
 
-def quiet_connection_pool(reactor: Any, persistent: bool) -> HTTPConnectionPool:
+def quiet_connection_pool(reactor: IReactorTime, persistent: bool) -> HTTPConnectionPool:
     """A connection pool whose connections do not log "Starting factory" /
     "Stopping factory": the pool builds one client factory per connection
     from its private ``_factory`` class, which logs by default."""

@@ -45,3 +45,19 @@ class ResolveTests(SynchronousTestCase):
                         if GLOBAL_IMPORT.search(f.read()):
                             found.add(os.path.relpath(path, ROOT))
         self.assertEqual(found, {"rolemesh/reactor.py", "rolemesh/cli.py", "rolemesh/listener.py"})
+
+
+class ReactorInterfaceTests(SynchronousTestCase):
+    def test_the_real_reactor_provides_every_named_set(self) -> None:
+        """The ``I...Reactor`` typing names ask only for what every POSIX
+        reactor declares (the class, not the installed global reactor)."""
+        from twisted.internet.posixbase import PosixReactorBase
+        from zope.interface.interface import InterfaceClass
+
+        from rolemesh.interfaces import IAgentReactor, IBackendReactor, IHTTPClientReactor
+
+        for name in (IAgentReactor, IBackendReactor, IHTTPClientReactor):
+            bases = [b for b in name.__iro__ if isinstance(b, InterfaceClass) and b.__module__.startswith("twisted.")]
+            self.assertTrue(bases, name)
+            for base in bases:
+                self.assertTrue(base.implementedBy(PosixReactorBase), f"{name.__name__}: {base.__name__}")

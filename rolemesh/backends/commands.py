@@ -24,11 +24,13 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import attr
 from twisted.internet import error as internet_error
 from twisted.internet.defer import Deferred, fail
+from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
 from rolemesh.backends import BackendUnavailable
 from rolemesh.devices import DeviceMetrics, DeviceRef
+from rolemesh.interfaces import IBackendReactor
 from rolemesh.reactor import UsesReactor
 
 #: What a tool run gives back: exit status, standard output, standard error.
@@ -135,7 +137,7 @@ class _Collector(ProcessProtocol):
         self.deferred = deferred
         self.out: List[bytes] = []
         self.err: List[bytes] = []
-        self.timer: Any = None
+        self.timer: Optional[IDelayedCall] = None
         self.timed_out: Optional[float] = None
 
     def connectionMade(self) -> None:
@@ -178,7 +180,7 @@ class _Collector(ProcessProtocol):
 
 
 def run_async(
-    reactor: Any,
+    reactor: IBackendReactor,
     argv: Sequence[str],
     timeout: float = DEFAULT_TIMEOUT_S,
     *,
@@ -330,14 +332,14 @@ def match_readings(
     return out
 
 
-class CommandBackend(UsesReactor):
+class CommandBackend(UsesReactor[IBackendReactor]):
     """Shared plumbing for backends that ask vendor tools: runners, clock and error wording."""
 
     name = "?"
 
     def __init__(
         self,
-        reactor: Any = None,
+        reactor: Optional[IBackendReactor] = None,
         *,
         run_sync: Callable[..., Result] = run_sync,
         run_async: Callable[..., "Deferred[Result]"] = run_async,

@@ -14,6 +14,7 @@ import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
 from zope.interface import implementer
 
 from rolemesh.backends import BackendUnavailable
@@ -152,7 +153,7 @@ def _sysconf_memory() -> Optional[int]:
 
 
 @implementer(IDeviceBackend)
-class CpuBackend(UsesReactor):
+class CpuBackend(UsesReactor[IReactorTime]):
     """The host's CPUs as one or more devices."""
 
     name = "cpu"
@@ -160,7 +161,7 @@ class CpuBackend(UsesReactor):
     def __init__(
         self,
         cpu_devices: Any = None,
-        reactor: Any = None,
+        reactor: Optional[IReactorTime] = None,
         read: Callable[[str], str] = _read,
         allowed_cores: Optional[Callable[[], Sequence[int]]] = None,
         sysfs_root: str = "/sys",

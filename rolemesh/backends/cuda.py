@@ -42,7 +42,7 @@ from rolemesh.backends.commands import (
     run_sync,
 )
 from rolemesh.devices import DeviceMetrics, DeviceRef
-from rolemesh.interfaces import IDeviceBackend
+from rolemesh.interfaces import IBackendReactor, IDeviceBackend
 
 NVIDIA_SMI_FIELDS = (
     "index",
@@ -315,7 +315,7 @@ class CudaBackend(CommandBackend):
 
     def __init__(
         self,
-        reactor: Any = None,
+        reactor: Optional[IBackendReactor] = None,
         *,
         load_nvml: Optional[Callable[[], Any]] = import_pynvml,
         to_thread: Optional[Callable[..., Deferred]] = None,

@@ -29,6 +29,7 @@ from rolemesh.backends.commands import (
 )
 from rolemesh.devices import DeviceRef
 from rolemesh.errors import ConfigError
+from rolemesh.interfaces import IBackendReactor, IDeviceBackend
 
 #: Every backend ``backend:`` may name; ``auto`` is resolved by :func:`select_backend`.
 BACKEND_NAMES = ("cuda", "rocm", "metal", "sycl", "vulkan", "cpu")
@@ -172,10 +173,10 @@ def make_backend(
     name: str,
     *,
     cpu_devices: Any = None,
-    reactor: Any = None,
+    reactor: Optional[IBackendReactor] = None,
     sysfs_root: str = "/sys",
     **options: Any,
-) -> Any:
+) -> IDeviceBackend:
     """Build the IDeviceBackend provider called ``name`` (``options`` go to its constructor).
 
     ``cpu_devices`` only shapes the ``cpu`` backend; with any other backend it is ignored, so one

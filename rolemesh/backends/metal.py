@@ -23,7 +23,7 @@ from rolemesh.backends.commands import (
     load_json,
 )
 from rolemesh.devices import DeviceMetrics, DeviceRef
-from rolemesh.interfaces import IDeviceBackend
+from rolemesh.interfaces import IBackendReactor, IDeviceBackend
 
 SYSTEM_PROFILER = ("system_profiler", "SPDisplaysDataType", "-json")
 SYSCTL_MEMSIZE = ("sysctl", "-n", "hw.memsize")
@@ -136,7 +136,7 @@ class MetalBackend(CommandBackend):
 
     name = "metal"
 
-    def __init__(self, reactor: Any = None, **kwargs: Any) -> None:
+    def __init__(self, reactor: Optional[IBackendReactor] = None, **kwargs: Any) -> None:
         super().__init__(reactor, **kwargs)
         self._unified: Optional[bool] = None
 

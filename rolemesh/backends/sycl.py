@@ -34,7 +34,7 @@ from rolemesh.backends.commands import (
     number,
 )
 from rolemesh.devices import DeviceMetrics, DeviceRef
-from rolemesh.interfaces import IDeviceBackend
+from rolemesh.interfaces import IBackendReactor, IDeviceBackend
 
 SYCL_LS = ("sycl-ls",)
 XPU_SMI_DISCOVERY = ("xpu-smi", "discovery", "-j")
@@ -180,7 +180,7 @@ class SyclBackend(CommandBackend):
 
     name = "sycl"
 
-    def __init__(self, reactor: Any = None, **kwargs: Any) -> None:
+    def __init__(self, reactor: Optional[IBackendReactor] = None, **kwargs: Any) -> None:
         super().__init__(reactor, **kwargs)
         self._xpu = False
         #: One-line remarks from discovery for ``--check``.

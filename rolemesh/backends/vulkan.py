@@ -34,7 +34,7 @@ from rolemesh.backends.commands import (
     first_line,
 )
 from rolemesh.devices import DeviceMetrics, DeviceRef
-from rolemesh.interfaces import IDeviceBackend
+from rolemesh.interfaces import IBackendReactor, IDeviceBackend
 
 VULKANINFO_SUMMARY = ("vulkaninfo", "--summary")
 VULKANINFO_FULL = ("vulkaninfo",)
@@ -208,7 +208,7 @@ class VulkanBackend(CommandBackend):
 
     name = "vulkan"
 
-    def __init__(self, reactor: Any = None, **kwargs: Any) -> None:
+    def __init__(self, reactor: Optional[IBackendReactor] = None, **kwargs: Any) -> None:
         super().__init__(reactor, **kwargs)
         #: One-line remarks from discovery (skipped devices) for ``--check``.
         self.notes: List[str] = []
