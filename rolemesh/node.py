@@ -16,6 +16,7 @@ import attr
 from twisted.application.service import MultiService
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -25,7 +26,7 @@ from rolemesh.backends.groups import group_name
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.estimate import GGUFFacts, MemoryEstimate, capacity_of, estimate_on, gib, shared_memory
-from rolemesh.interfaces import IDeviceBackend
+from rolemesh.interfaces import IDeviceBackend, IHTTPClientReactor
 from rolemesh.payloads import device_state
 from rolemesh.reactor import UsesReactor
 from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
@@ -65,7 +66,7 @@ class _Acquisition:
     result: Deferred
     loading: Optional[Deferred] = None
     #: Ends the wait in the queue (``queue_timeout_s``); None once started.
-    queue_timer: Any = None
+    queue_timer: Optional[IDelayedCall] = None
     #: When it joined the queue (reactor seconds), for the queue-wait histogram.
     queued_at: float = 0.0
     #: The client went away (while evicted children stopped, say).
@@ -77,7 +78,7 @@ class _Unload:
     result: Deferred
 
 
-class Node(MultiService, UsesReactor):
+class Node(MultiService, UsesReactor[IHTTPClientReactor]):
     """Supervisors + scheduler + metrics for this host's devices."""
 
     def __init__(
@@ -86,7 +87,7 @@ class Node(MultiService, UsesReactor):
         backend: IDeviceBackend,
         devices: Sequence[DeviceRef],
         supervisors: Sequence[DeviceSupervisor],
-        reactor: Any = None,
+        reactor: Optional[IHTTPClientReactor] = None,
         metrics_interval: float = METRICS_INTERVAL_S,
         telemetry_get: Optional[Callable[..., Deferred]] = None,
         facts: Optional[Mapping[str, Optional[GGUFFacts]]] = None,
@@ -122,8 +123,8 @@ class Node(MultiService, UsesReactor):
         self.metrics: Dict[str, DeviceMetrics] = {}
         self.draining = False
         self._drained: List[Deferred] = []
-        self._idle_timers: Dict[str, Any] = {}
-        self._inference_timers: Dict[str, Any] = {}
+        self._idle_timers: Dict[str, IDelayedCall] = {}
+        self._inference_timers: Dict[str, IDelayedCall] = {}
         self._metrics_interval = metrics_interval
         self._metrics_loop: Optional[LoopingCall] = None
         self._sampling = False
@@ -192,7 +193,13 @@ class Node(MultiService, UsesReactor):
         d: Deferred = Deferred()
         self._drained.append(d)
         timer = self.reactor.callLater(grace, self._drain_timeout, d)
-        d.addBoth(lambda r: (timer.cancel() if timer.active() else None, r)[1])
+
+        def stop_timer(result: object) -> object:
+            if timer.active():
+                timer.cancel()
+            return result
+
+        d.addBoth(stop_timer)
         return d
 
     def in_flight(self) -> int:
