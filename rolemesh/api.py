@@ -24,6 +24,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from rolemesh import errors
 from rolemesh.config import NodeConfig
+from rolemesh.events import Events
 from rolemesh.node import Node
 from rolemesh.proxy import CLIENT_GONE, STALLED, Proxy, UpstreamUnreachable
 from rolemesh.readiness import Readiness
@@ -137,8 +138,8 @@ class NodeAPI:
         self._readiness = readiness
         self._reload = reload
         self.use_config(config)
-        #: Called as observer(event, **fields) for each finished proxied request.
-        self.observers = list(observers)
+        #: Told ("request", **fields) of each finished proxied request.
+        self.events = Events(*observers)
 
     def use_config(self, config: NodeConfig) -> None:
         """Serve with ``config`` from the next request on (a reload: models,
@@ -358,11 +359,7 @@ class NodeAPI:
         log.info("POST /v1/{endpoint} {model} -> {status} on {device} in {duration_ms:.1f} ms",
                  duration_ms=fields["duration"] * 1000, **fields)
         observed = {k: v for k, v in fields.items() if k not in ("device", "request_id")}
-        for observer in self.observers:
-            try:
-                observer("request", **observed)
-            except Exception:
-                log.failure("request observer failed")
+        self.events.emit("request", **observed)
 
     @defer.inlineCallbacks
     def _proxy(self, request: Any, endpoint: str, path: str) -> Any:

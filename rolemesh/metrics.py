@@ -4,13 +4,13 @@
 (never the global one) and renders it in the route with
 ``generate_latest`` -- no thread pool.  It learns about the agent three ways:
 
-* ``observe(event, **fields)``: the API calls it with ``"request"`` events
-  after every proxied request; the node calls it (it registers itself in
-  ``node.observers``) with ``"queue_full"`` and ``"idle_unload"``.
-* a listener on every :class:`~rolemesh.supervisor.DeviceSupervisor`: after a
-  state change it turns the supervisor's counters (loads, load failures and
-  timeouts, crashes, restarts) into per ``(device, model)`` counts and, when a
-  child becomes ready, observes its load time into a histogram.
+* ``observe(event, **fields)``, an observer (:mod:`rolemesh.events`) of the
+  API (``"request"`` after every proxied request), of the node
+  (``"queue_full"``, ``"queue_timeout"``, ``"queue_wait"``, ``"idle_unload"``)
+  and of every :class:`~rolemesh.supervisor.DeviceSupervisor`: the events
+  the supervisor counts at their source (loads, load failures and timeouts,
+  crashes, restarts, safe-mode retries: ``COUNTED_EVENTS``) become per
+  ``(device, model)`` counts, and a load's ``seconds`` go into a histogram.
 * a custom collector that reads live state at scrape time: scheduler books
   (in flight, queued), child states, device samples, the dispatcher client,
   and the children's own telemetry (:mod:`rolemesh.telemetry`): slots,
@@ -27,6 +27,7 @@ metrics bug never breaks a request or a scrape.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -57,24 +58,24 @@ LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 #: Time a request waits in a device queue before it may run (0 when it runs at once).
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
-#: Supervisor counters turned into ``(device, model)`` counters:
-#: attribute -> (metric name without ``_total``, help).
+#: Supervisor events (``COUNTED_EVENTS``) counted per ``(device, model)``:
+#: event -> (metric name without ``_total``, help).
 SUPERVISOR_COUNTERS: Dict[str, Tuple[str, str]] = {
-    "loads": ("rolemesh_model_loads", "Model loads that reached ready, by device and model."),
-    "load_failures": (
+    "load": ("rolemesh_model_loads", "Model loads that reached ready, by device and model."),
+    "load_failure": (
         "rolemesh_model_load_failures",
         "Model loads that failed (llama-server exited while loading), by device and model.",
     ),
-    "load_timeouts": (
+    "load_timeout": (
         "rolemesh_model_load_timeouts",
         "Model loads that did not become ready within llama_server_startup_timeout_s.",
     ),
-    "crashes": ("rolemesh_child_crashes", "Ready llama-server children that exited unexpectedly."),
-    "restarts": (
+    "crash": ("rolemesh_child_crashes", "Ready llama-server children that exited unexpectedly."),
+    "restart": (
         "rolemesh_child_restarts",
         "llama-server children restarted after a crash or a failed health probe.",
     ),
-    "safe_mode_retries": (
+    "safe_mode_retry": (
         "rolemesh_model_safe_mode_retries",
         "Loads retried with --no-repack after llama-server died of SIGILL (a non-portable build).",
     ),
@@ -111,7 +112,27 @@ class NodeMetrics:
         self._started = self._now()
         self._models_of = None
         self._model_ids = frozenset()
+        self._request_families()
+        self._node_families()
+        #: (device, model, event of SUPERVISOR_COUNTERS) -> count since start.
+        self._supervisor_counts: Dict[Tuple[str, str, str], float] = {}
+        self._handlers: Dict[str, Callable[..., None]] = {
+            "request": self._on_request,
+            "queue_full": self._on_queue_full,
+            "queue_timeout": self._on_queue_timeout,
+            "idle_unload": self._on_idle_unload,
+            "queue_wait": self._on_queue_wait,
+            "load": self._on_load,
+        }
+        for event in SUPERVISOR_COUNTERS:
+            self._handlers.setdefault(event, functools.partial(self._count_supervisor_event, event))
+        self.registry.register(_LiveCollector(self))
+        for supervisor in node.supervisors.values():
+            supervisor.events.subscribe(self.observe)
+        node.events.subscribe(self.observe)
 
+    def _request_families(self) -> None:
+        """The families fed by the API's ``request`` events."""
         self.requests = Counter(
             "rolemesh_requests",
             "Proxied requests by model, endpoint and HTTP status (499: client went away).",
@@ -132,6 +153,9 @@ class NodeMetrics:
             buckets=TTFB_BUCKETS,
             registry=self.registry,
         )
+
+    def _node_families(self) -> None:
+        """The families fed by the node's and the supervisors' events."""
         self.queue_full = Counter(
             "rolemesh_queue_full",
             "Requests refused with 429 queue_full (max_pending_requests_per_device).",
@@ -166,26 +190,8 @@ class NodeMetrics:
         )
         for model_id in sorted(self._models):
             self.queue_full.labels(model=model_id)
-        for device_name in node.supervisors:
+        for device_name in self.node.supervisors:
             self.queue_wait.labels(device=device_name)
-
-        #: (device, model, supervisor attribute) -> count since start.
-        self._supervisor_counts: Dict[Tuple[str, str, str], float] = {}
-        #: device -> supervisor attribute -> the value last seen.
-        self._seen: Dict[str, Dict[str, int]] = {}
-        self._handlers: Dict[str, Callable[..., None]] = {
-            "request": self._on_request,
-            "queue_full": self._on_queue_full,
-            "queue_timeout": self._on_queue_timeout,
-            "idle_unload": self._on_idle_unload,
-            "queue_wait": self._on_queue_wait,
-        }
-
-        self.registry.register(_LiveCollector(self))
-        for supervisor in node.supervisors.values():
-            self._seen[supervisor.name] = {a: int(getattr(supervisor, a, 0) or 0) for a in SUPERVISOR_COUNTERS}
-            supervisor.subscribe(self._supervisor_changed)
-        node.observers.append(self.observe)
 
     # -- output ------------------------------------------------------------------
 
@@ -264,34 +270,19 @@ class NodeMetrics:
 
     # -- supervisors ---------------------------------------------------------------
 
-    def _supervisor_changed(self, supervisor: Any) -> None:
-        try:
-            # A new load means the child just became ready (the supervisor
-            # counts it right before the change); read the state through the
-            # counter so a nested state change cannot hide it.
-            if self._sync(supervisor) > 0:
-                seconds = _number(supervisor.last_load_seconds)
-                if seconds is not None and seconds >= 0:
-                    model = self._model(supervisor.model.model_id if supervisor.model is not None else None)
-                    self.load_duration.labels(device=supervisor.name, model=model).observe(seconds)
-        except Exception:
-            log.failure("metrics: supervisor listener failed", device=getattr(supervisor, "name", None))
+    def _count_supervisor_event(self, event: str, device: Any = None, model: Any = None, **_: Any) -> None:
+        """One of a supervisor's counted events, credited to its model."""
+        name = self._device(device)
+        if name is not None:
+            key = (name, self._model(model), event)
+            self._supervisor_counts[key] = self._supervisor_counts.get(key, 0) + 1
 
-    def _sync(self, supervisor: Any) -> int:
-        """Credit new supervisor counts to its current model; return new loads."""
-        seen = self._seen.setdefault(supervisor.name, {a: 0 for a in SUPERVISOR_COUNTERS})
-        model = self._model(supervisor.model.model_id if supervisor.model is not None else None)
-        new_loads = 0
-        for attribute in SUPERVISOR_COUNTERS:
-            value = int(getattr(supervisor, attribute, 0) or 0)
-            delta = value - seen.get(attribute, 0)
-            seen[attribute] = value
-            if delta > 0:
-                key = (supervisor.name, model, attribute)
-                self._supervisor_counts[key] = self._supervisor_counts.get(key, 0) + delta
-                if attribute == "loads":
-                    new_loads = delta
-        return new_loads
+    def _on_load(self, device: Any = None, model: Any = None, seconds: Any = None, **_: Any) -> None:
+        """A child became ready: a load, and how long it took."""
+        self._count_supervisor_event("load", device, model)
+        name, took = self._device(device), _number(seconds)
+        if name is not None and took is not None and took >= 0:
+            self.load_duration.labels(device=name, model=self._model(model)).observe(took)
 
     def _now(self) -> float:
         return float(self.node.reactor.seconds())
@@ -376,16 +367,14 @@ class _LiveCollector(Collector):
 
     def _supervisor_counters(self) -> Iterator[Metric]:
         metrics = self._metrics
-        for supervisor in metrics.node.supervisors.values():
-            metrics._sync(supervisor)  # counts that moved without a state change
-        for attribute, (name, help_text) in SUPERVISOR_COUNTERS.items():
+        for event, (name, help_text) in SUPERVISOR_COUNTERS.items():
             family = CounterMetricFamily(name, help_text, labels=["device", "model"])
             models = sorted(metrics._models)
-            extra = sorted({m for (_, m, a) in metrics._supervisor_counts if a == attribute} - metrics._models)
+            extra = sorted({m for (_, m, e) in metrics._supervisor_counts if e == event} - metrics._models)
             for device in metrics.node.supervisors:
                 for model_id in models + extra:
                     family.add_metric(
-                        [device, model_id], metrics._supervisor_counts.get((device, model_id, attribute), 0)
+                        [device, model_id], metrics._supervisor_counts.get((device, model_id, event), 0)
                     )
             yield family
 

@@ -26,11 +26,12 @@ from rolemesh.backends.groups import group_name
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.estimate import GGUFFacts, MemoryEstimate, capacity_of, estimate_on, gib, shared_memory
+from rolemesh.events import Events
 from rolemesh.interfaces import IDeviceBackend, IHTTPClientReactor
 from rolemesh.payloads import device_state
 from rolemesh.reactor import UsesReactor
 from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
-from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor
+from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor, StateChange
 from rolemesh.telemetry import TelemetrySampler, device_issues, load_progress
 
 log = Logger()
@@ -130,18 +131,15 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         self._sampling = False
         #: Start-up preloads not finished yet (``GET /ready`` waits for them).
         self.preloading = 0
-        #: Hooks for the metrics module: called with (event, **fields).
-        self.observers: List[Callable[..., None]] = []
+        #: The node's events (queue_full, queue_timeout, queue_wait,
+        #: idle_unload, child_state), for the metrics module.
+        self.events = Events()
         #: The children's own telemetry, sampled on the metrics interval.
         self.telemetry = TelemetrySampler(self.supervisors, reactor=reactor, get=telemetry_get)
         self._loading_since: Dict[str, float] = {}
 
     def _emit(self, event: str, **fields: Any) -> None:
-        for observer in list(self.observers):
-            try:
-                observer(event, **fields)
-            except Exception:
-                log.failure("metrics observer failed on {event}", event=event)
+        self.events.emit(event, **fields)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -631,20 +629,22 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
 
     # -- supervisor events -------------------------------------------------------------
 
-    def _supervisor_changed(self, supervisor: DeviceSupervisor) -> None:
-        model = supervisor.model
+    def _supervisor_changed(self, change: StateChange) -> None:
+        """A supervisor's state change, told once its transition is complete:
+        ``change`` says which state it was about (the supervisor may be further on)."""
+        model, name, state = change.model, change.name, change.state
         if model is None:
             return
-        if supervisor.state == STARTING:
-            self._loading_since[supervisor.name] = self.reactor.seconds()
-        if supervisor.state in (STARTING, READY):
+        if state == STARTING:
+            self._loading_since[name] = self.reactor.seconds()
+        if state in (STARTING, READY):
             if model in self.config.models:  # not a model a reload removed or changed
-                self.scheduler.model_loaded(supervisor.name, model.model_id, model.parallel)
-        elif supervisor.state in (STOPPED, FAILED):
-            self.scheduler.model_unloaded(supervisor.name, model.model_id)
-        if supervisor.state == READY and self.scheduler.is_idle(supervisor.name):
-            self._arm_idle_timer(supervisor.name)
-        self._emit("child_state", device=supervisor.name, state=supervisor.state, model=model.model_id)
+                self.scheduler.model_loaded(name, model.model_id, model.parallel)
+        elif state in (STOPPED, FAILED):
+            self.scheduler.model_unloaded(name, model.model_id)
+        if state == READY and self.scheduler.is_idle(name):
+            self._arm_idle_timer(name)
+        self._emit("child_state", device=name, state=state, model=model.model_id)
 
     # -- metrics ------------------------------------------------------------------------
 

@@ -109,9 +109,9 @@ class FormatTests(SynchronousTestCase):
         )
 
     def test_hooks_itself_into_node_and_supervisors(self) -> None:
-        self.assertIn(self.h.metrics.observe, self.h.node.observers)
+        self.assertIn(self.h.metrics.observe, self.h.node.events)
         for supervisor in self.h.supervisors:
-            self.assertIn(self.h.metrics._supervisor_changed, supervisor._listeners)
+            self.assertIn(self.h.metrics.observe, supervisor.events)
 
     def test_node_info_and_draining(self) -> None:
         families = self.h.scrape()

@@ -53,7 +53,7 @@ class NodeHarness:
         ]
         self.node = Node(self.config, self.backend, self.backend.refs, self.supervisors, reactor=self.reactor)
         self.events: List[Any] = []
-        self.node.observers.append(lambda event, **fields: self.events.append((event, fields)))
+        self.node.events.subscribe(lambda event, **fields: self.events.append((event, fields)))
 
     def model(self, model_id: str) -> Any:
         return self.config.model(model_id)
@@ -536,7 +536,7 @@ class InferenceProbeTests(SynchronousTestCase):
         h.node.startService()
         self.addCleanup(h.node.stopService)
         calls: List[str] = []
-        h.sup()._inference = lambda base_url, model: (calls.append(model.model_id), defer.succeed(True))[1]
+        h.sup().probes.inference_fn = lambda base_url, model: (calls.append(model.model_id), defer.succeed(True))[1]
         d = h.node.acquire(h.model("p"))
         h.answer("p")
         lease = self.successResultOf(d)
@@ -554,7 +554,7 @@ class InferenceProbeTests(SynchronousTestCase):
         h = NodeHarness()
         h.node.startService()
         self.addCleanup(h.node.stopService)
-        h.sup()._inference = lambda base_url, model: self.fail("probed")
+        h.sup().probes.inference_fn = lambda base_url, model: self.fail("probed")
         h.load("a")
         h.reactor.advance(3600)
 

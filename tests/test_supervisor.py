@@ -269,7 +269,7 @@ class StateMachineTests(SynchronousTestCase):
     def test_inference_probe_replaces_a_child_after_three_failures_in_a_row(self):
         h = self.h
         answers = []
-        h.sup._inference = lambda base_url, model: defer.succeed(answers.pop(0))
+        h.sup.probes.inference_fn = lambda base_url, model: defer.succeed(answers.pop(0))
         h.sup.ensure(h.a)
         h.make_ready("a")
         pid = h.reactor.last.pid
@@ -294,7 +294,7 @@ class StateMachineTests(SynchronousTestCase):
                 calls.append((url, json))
                 return defer.Deferred()
 
-        h.sup._inference = inference_probe(HangingHttp(), h.reactor, timeout=30)
+        h.sup.probes.inference_fn = inference_probe(HangingHttp(), h.reactor, timeout=30)
         d = h.sup.check_inference()
         self.assertNoResult(d)
         h.reactor.advance(30)
@@ -586,3 +586,117 @@ class ChildLogTests(SynchronousTestCase):
         self.assertEqual(self.lines_logged(h, "0.01.002 E srv  something broke\n"), ["0.01.002 E srv  something broke"])
         self.assertEqual(len(self.lines_logged(h, "GGML_ASSERT(x) failed\n")), 1)
         self.assertIn("0.01.000 I slot launch_slot_: id 0 | task 1", h.sup.logs)
+
+
+class DeliveryTests(SynchronousTestCase):
+    """Listeners and waiters are told once a transition is complete, in order."""
+
+    def setUp(self):
+        self.h = Harness()
+
+    def test_a_listener_told_of_a_start_sees_the_started_child(self):
+        h = self.h
+        seen = []
+        h.sup.subscribe(lambda change: seen.append((change.state, h.sup.state, h.sup.pid, h.sup.snapshot()["pid"],
+                                                    len(h.reactor.processes))))
+        h.sup.ensure(h.a)
+        pid = h.reactor.last.pid
+        self.assertEqual(seen, [(STARTING, STARTING, pid, pid, 1)])
+
+    def test_a_listener_that_stops_the_device_as_it_starts_leaves_no_child_behind(self):
+        h = self.h
+        stopped = []
+        h.sup.subscribe(lambda change: stopped.append(h.sup.stop()) if change.state == STARTING else None)
+        d = h.sup.ensure(h.a)
+        child = h.reactor.last
+        self.assertIn("cancelled: device stopped", self.failureResultOf(d, errors.ApiError).value.message)
+        self.assertEqual(h.sup.state, STOPPING)
+        self.assertEqual(h.signals.calls, [(child.pid, signal.SIGTERM)], "the child it started is stopped")
+        self.assertNoResult(stopped[0])
+        child.exit(0)
+        self.successResultOf(stopped[0])
+        self.assertEqual(h.sup.state, STOPPED)
+        self.assertEqual(h.transitions, [STARTING, STOPPING, STOPPED])
+        self.assertEqual(h.reactor.getDelayedCalls(), [])
+
+    def test_each_change_is_told_with_its_own_state_after_the_whole_transition(self):
+        h = self.h
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        first = h.reactor.last
+        told = []
+        h.sup.subscribe(lambda change: told.append((change.previous, change.state, change.model.model_id,
+                                                    h.sup.state, h.sup.generation)))
+        h.sup.ensure(h.b)
+        first.exit(0)  # reaped: stopped, and at once starting the switch's target
+        self.assertEqual(told, [
+            (READY, STOPPING, "a", STOPPING, 1),
+            (STOPPING, STOPPED, "a", STARTING, 2),
+            (STOPPED, STARTING, "b", STARTING, 2),
+        ])
+
+    def test_listeners_are_told_before_waiters_fire_and_a_listener_that_calls_in_waits_its_turn(self):
+        h = self.h
+        order = []
+
+        def listener(change):
+            order.append(("told", change.state))
+            if change.state == READY:
+                again = h.sup.ensure(h.a)  # calls back in: answered from the completed state
+                order.append(("again", self.successResultOf(again).model_id))
+
+        h.sup.subscribe(listener)
+        d = h.sup.ensure(h.a).addCallback(lambda endpoint: order.append(("waiter", endpoint.model_id)))
+        h.make_ready("a")
+        self.successResultOf(d)
+        self.assertEqual(order, [("told", STARTING), ("told", READY), ("again", "a"), ("waiter", "a")])
+
+    def test_a_failing_listener_is_logged_and_the_others_are_told(self):
+        h = self.h
+        h.sup.subscribe(lambda change: 1 / 0)
+        after = []
+        h.sup.subscribe(lambda change: after.append(change.state))
+        h.sup.ensure(h.a)
+        self.assertEqual(after, [STARTING])
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
+
+    def test_unsubscribed_listener_is_not_told(self):
+        h = self.h
+        told = []
+        unsubscribe = h.sup.subscribe(lambda change: told.append(change.state))
+        unsubscribe()
+        unsubscribe()
+        h.sup.ensure(h.a)
+        self.assertEqual(told, [])
+
+    def test_counted_events_come_from_the_source_and_match_the_counters(self):
+        h = self.h
+        events = []
+        h.sup.events.subscribe(lambda event, **fields: events.append((event, fields.get("model")))
+                               if event != "child_state" else None)
+        d = h.sup.ensure(h.a)
+        h.reactor.last.exit(1)  # a load failure
+        self.failureResultOf(d, errors.ApiError)
+        h.reactor.advance(load_retry_delay(1))
+        d = h.sup.ensure(h.b)
+        h.reactor.advance(10.0)  # a load timeout
+        self.failureResultOf(d, errors.ApiError)
+        h.reactor.last.exit(signal=signal.SIGKILL)
+        h.reactor.advance(load_retry_delay(1))
+        h.sup.ensure(h.a)
+        h.make_ready("a")  # a load
+        h.reactor.last.exit(1)  # a crash, and a restart
+        self.assertEqual(events, [("load_failure", "a"), ("load_timeout", "b"), ("load", "a"), ("crash", "a"),
+                                  ("restart", "a")])
+        self.assertEqual((h.sup.load_failures, h.sup.load_timeouts, h.sup.loads, h.sup.crashes, h.sup.restarts),
+                         (1, 1, 1, 1, 1))
+
+    def test_states_are_named_constants_that_read_as_their_values(self):
+        import json
+
+        from rolemesh.supervisor import DeviceState
+
+        self.assertIs(self.h.sup.state, DeviceState.STOPPED)
+        self.assertEqual(json.dumps({"state": READY}), '{"state": "ready"}')
+        self.assertEqual((f"{STOPPING}", str(FAILED), READY == "ready"), ("stopping", "failed", True))
+        self.assertEqual(self.h.sup.snapshot()["state"], "stopped")

@@ -1,0 +1,245 @@
+"""One llama-server child as a process: how it is started, its output, its end.
+
+The mechanism under :class:`~rolemesh.supervisor.DeviceSupervisor`:
+
+* :class:`Launcher` builds a child's command line and environment (pinning,
+  port, the exec wrapper) and spawns it;
+* :class:`ChildProcess` is the ProcessProtocol of one spawned child: it splits
+  the output into lines, signals the child's process group (SIGTERM repeated
+  until the grace is over, then SIGKILL) and reports to its
+  :class:`ChildSink` -- the supervisor, which decides what any of it means;
+* :class:`OutputRing` keeps the device's last lines (the logs endpoint, error
+  tails) and knows which of them belong to the current start attempt.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import re
+import signal
+import socket
+import sys
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+
+import attr
+from twisted.internet.interfaces import IDelayedCall, IProcessTransport, IReactorProcess, IReactorTime
+from twisted.internet.protocol import ProcessProtocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from rolemesh import diagnosis
+from rolemesh.backends.groups import pin_child
+from rolemesh.config import ModelConfig
+from rolemesh.devices import DeviceRef
+from rolemesh.interfaces import IDeviceBackend
+from rolemesh.llama_args import build_argv
+
+log = Logger()
+
+#: Lines of child output kept per device, for errors and the logs endpoint.
+LOG_LINES = 1000
+#: Lines of one start attempt kept for its failure message.
+ATTEMPT_LINES = 200
+#: A line longer than this without a newline is kept in pieces (bounded memory).
+RUNAWAY_LINE = 8192
+#: While stopping, SIGTERM is repeated this often until the grace is over.
+TERM_REPEAT_S = 0.25
+#: Output that means the child is about to answer; it triggers a probe at once.
+_READY_HINTS = (b"listening on http", b"model loaded", b"all slots are idle")
+#: llama-server's error lines (``0.00.005.256 E srv ...``) and crashes.  Its
+#: warnings are mostly per-request noise (prompt-cache notes); they stay in
+#: the ring buffer that the logs endpoint serves.
+_IMPORTANT = re.compile(rb"^\s*[\d.]+ E |error|failed|assert|abort", re.IGNORECASE)
+
+CHILD_EXEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_exec.py")
+
+
+def announces_ready(line: bytes) -> bool:
+    """The line says the child is about to answer (probe now, don't wait)."""
+    return any(hint in line for hint in _READY_HINTS)
+
+
+def worth_logging(line: bytes, serving: bool) -> bool:
+    """Every line of a start and a stop goes to the log, but from a serving
+    child only errors: llama-server prints ~9 lines per request, and logging
+    each costs more CPU than relaying the request."""
+    return not serving or bool(_IMPORTANT.search(line))
+
+
+def exit_of(reason: Failure) -> diagnosis.Exit:
+    """How a child ended, from ``processEnded``'s reason."""
+    return diagnosis.Exit(getattr(reason.value, "signal", None), getattr(reason.value, "exitCode", None))
+
+
+def pick_free_port(host: str = "127.0.0.1") -> int:
+    """Ask the kernel for a free TCP port (the child binds it a moment later;
+    a collision in between is detected from the child's output and retried)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wrap_argv(argv: List[str], parent_pid: int, cpus: Tuple[int, ...] = ()) -> List[str]:
+    """Prefix ``argv`` with the exec wrapper (new process group, parent-death
+    signal, core pinning)."""
+    wrapper = [sys.executable, "-S", "-E", CHILD_EXEC, "--parent", str(parent_pid)]
+    if cpus:
+        wrapper += ["--cpus", ",".join(str(c) for c in cpus)]
+    return wrapper + ["--"] + list(argv)
+
+
+class OutputRing:
+    """The device's last ``size`` output lines, across children; the lines
+    since :meth:`new_attempt` (at most ``attempt_size``) are the current
+    start attempt's, for its failure message."""
+
+    def __init__(self, size: int = LOG_LINES, attempt_size: int = ATTEMPT_LINES) -> None:
+        self.lines: Deque[str] = collections.deque(maxlen=size)
+        self._attempt_size = attempt_size
+        self._appended = 0
+        self._attempt_from = 0
+
+    def append(self, text: str) -> None:
+        self.lines.append(text)
+        self._appended += 1
+
+    def new_attempt(self) -> None:
+        """Lines from now on belong to a new start attempt."""
+        self._attempt_from = self._appended
+
+    def tail(self, count: int) -> List[str]:
+        """The last ``count`` lines, oldest first."""
+        count = min(count, len(self.lines))
+        if count <= 0:
+            return []
+        return list(itertools.islice(self.lines, len(self.lines) - count, None))
+
+    def attempt(self) -> List[str]:
+        """The current start attempt's lines (its last ``attempt_size``)."""
+        return self.tail(min(self._appended - self._attempt_from, self._attempt_size))
+
+
+class ChildSink(Protocol):
+    """What a :class:`ChildProcess` reports to (the supervisor)."""
+
+    def child_progressed(self, child: "ChildProcess") -> None:
+        """The child printed something (even half a line)."""
+
+    def child_output(self, child: "ChildProcess", fd: int, line: bytes) -> None:
+        """One line of the child's stdout (1) or stderr (2), without its newline."""
+
+    def child_ended(self, child: "ChildProcess", reason: Failure) -> None:
+        """The child has exited and its pipes are closed."""
+
+
+class ChildProcess(ProcessProtocol):
+    """One spawned child: drains its output line by line, signals it, and
+    reports its end.  Its timers never outlive it."""
+
+    transport: Optional[IProcessTransport]
+
+    def __init__(self, sink: ChildSink, clock: IReactorTime, name: str,
+                 signal_group: Callable[[int, int], None] = os.killpg) -> None:
+        self._sink = sink
+        self._clock = clock
+        self._name = name
+        self._signal_group = signal_group
+        self._partial: Dict[int, bytes] = {1: b"", 2: b""}
+        self._kill_timer: Optional[IDelayedCall] = None
+        self._term_deadline = 0.0
+        self._grace = 0.0
+        self.pid: Optional[int] = None
+        self.ended = False
+
+    # -- output and end ----------------------------------------------------------
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        self._sink.child_progressed(self)
+        buffered = self._partial.get(childFD, b"") + data
+        *lines, self._partial[childFD] = buffered.split(b"\n")
+        if len(self._partial[childFD]) > RUNAWAY_LINE:  # a runaway line: keep it, bounded
+            lines.append(self._partial[childFD])
+            self._partial[childFD] = b""
+        for line in lines:
+            self._sink.child_output(self, childFD, line.rstrip(b"\r"))
+
+    def processEnded(self, reason: Failure) -> None:
+        self.ended = True
+        self._cancel_kill_timer()
+        for fd, rest in self._partial.items():
+            if rest:
+                self._sink.child_output(self, fd, rest)
+        self._sink.child_ended(self, reason)
+
+    # -- stopping ---------------------------------------------------------------------
+
+    def signal(self, sig: int) -> None:
+        """Signal the child's process group (the exec wrapper made it a leader)."""
+        if self.pid is None or self.ended:
+            return
+        try:
+            self._signal_group(self.pid, sig)
+        except ProcessLookupError:
+            pass
+        except OSError as e:
+            log.warn("cannot signal llama-server pid {pid}: {error}", pid=self.pid, error=e.strerror)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+
+    def terminate(self, grace: float) -> None:
+        """SIGTERM, repeated every TERM_REPEAT_S until ``grace`` is over, then
+        SIGKILL: a child that has just become ready sometimes misses the first."""
+        self.signal(signal.SIGTERM)
+        self._term_deadline = self._clock.seconds() + grace
+        self._grace = grace
+        self._kill_timer = self._clock.callLater(min(TERM_REPEAT_S, grace), self._terminate_again)
+
+    def _terminate_again(self) -> None:
+        self._kill_timer = None
+        remaining = self._term_deadline - self._clock.seconds()
+        if remaining <= 1e-9:
+            log.warn("llama-server on {device} ignored SIGTERM for {grace:g}s; sending SIGKILL",
+                     device=self._name, grace=self._grace)
+            self.kill()
+            return
+        self.signal(signal.SIGTERM)
+        self._kill_timer = self._clock.callLater(min(TERM_REPEAT_S, remaining), self._terminate_again)
+
+    def _cancel_kill_timer(self) -> None:
+        if self._kill_timer is not None and self._kill_timer.active():
+            self._kill_timer.cancel()
+        self._kill_timer = None
+
+
+@attr.s(auto_attribs=True)
+class Launcher:
+    """How one device's children are started: the binary, the devices they
+    are pinned to, the port, the environment and the exec wrapper."""
+
+    binary: str
+    backend: IDeviceBackend
+    members: Tuple[DeviceRef, ...]
+    pick_port: Callable[[], int] = pick_free_port
+    environ: Optional[Mapping[str, str]] = None
+    wrap: Callable[[List[str], int, Tuple[int, ...]], List[str]] = wrap_argv
+    signal_group: Callable[[int, int], None] = os.killpg
+
+    def command(self, model: ModelConfig, port: int, safe_mode: bool) -> Tuple[List[str], Dict[str, str], List[str]]:
+        """llama-server's argv, its environment, and the argv to exec (wrapped)."""
+        base = os.environ if self.environ is None else self.environ
+        defaults, env, cpus = pin_child(self.backend, self.members, base)
+        argv = build_argv(self.binary, model, port, device_defaults=defaults)
+        if safe_mode:
+            argv.append("--" + diagnosis.SAFE_FLAG)
+        return argv, env, self.wrap(argv, os.getpid(), cpus)
+
+    def spawn(self, reactor: IReactorProcess, child: ChildProcess, wrapped: Sequence[str],
+              env: Mapping[str, str]) -> IProcessTransport:
+        """Start the child; its pid is known when this returns."""
+        transport = reactor.spawnProcess(child, wrapped[0], list(wrapped), env=env)
+        child.pid = transport.pid
+        return transport
