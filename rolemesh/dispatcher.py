@@ -29,6 +29,7 @@ from twisted.web.iweb import IPolicyForHTTPS
 
 from rolemesh import __version__
 from rolemesh.backoff import Backoff
+from rolemesh.enums import StrEnum
 from rolemesh.http_client import quiet_pool, quiet_treq
 from rolemesh.interfaces import IHTTPClientReactor
 from rolemesh.payloads import deregistration_payload
@@ -39,29 +40,55 @@ REGISTER_PATH = "/v1/nodes/register"
 HEARTBEAT_PATH = "/v1/nodes/heartbeat"
 DEREGISTER_PATH = "/v1/nodes/deregister"
 
-#: What one answer (or the lack of one) means; see :func:`classify`.
-OK = "ok"
-FORGOTTEN = "forgotten"
-AUTH = "auth"
-REJECTED = "rejected"
-TRANSIENT = "transient"
 
-#: Values of :attr:`DispatcherClient.state`.
-UNREGISTERED = "unregistered"
-REGISTERED = "registered"
-UNREACHABLE = "unreachable"
+class RequestKind(StrEnum):
+    """The three requests the client sends."""
+
+    REGISTER = "register"
+    HEARTBEAT = "heartbeat"
+    DEREGISTER = "deregister"
+
+
+class Outcome(StrEnum):
+    """What one answer (or the lack of one) means; see :func:`classify`."""
+
+    OK = "ok"
+    FORGOTTEN = "forgotten"
+    AUTH = "auth"
+    REJECTED = "rejected"
+    TRANSIENT = "transient"
+
+
+class DispatcherState(StrEnum):
+    """Values of :attr:`DispatcherClient.state` (shown by ``/ready``, the
+    systemd status line and the ``rolemesh_dispatcher_state`` metric)."""
+
+    UNREGISTERED = "unregistered"
+    REGISTERED = "registered"
+    UNREACHABLE = "unreachable"
+
+
+OK = Outcome.OK
+FORGOTTEN = Outcome.FORGOTTEN
+AUTH = Outcome.AUTH
+REJECTED = Outcome.REJECTED
+TRANSIENT = Outcome.TRANSIENT
+
+UNREGISTERED = DispatcherState.UNREGISTERED
+REGISTERED = DispatcherState.REGISTERED
+UNREACHABLE = DispatcherState.UNREACHABLE
 
 _TRANSIENT_CODES = frozenset({408, 425, 429})
 _MAX_DETAIL = 200
 
 
-def classify(kind: str, code: int | None) -> str:
+def classify(kind: str, code: int | None) -> Outcome:
     """What the dispatcher's answer to a ``kind`` request means.
 
     ``code`` is the HTTP status, or ``None`` when no answer came (connection
-    refused, reset, timeout).  ``kind`` is ``"register"``, ``"heartbeat"`` or
-    ``"deregister"``.  Returns one of ``OK``, ``FORGOTTEN`` (the dispatcher no
-    longer knows the node: register again), ``AUTH`` (our token was refused:
+    refused, reset, timeout).  ``kind`` is a :class:`RequestKind`.  Returns
+    one of ``OK``, ``FORGOTTEN`` (the dispatcher no longer knows the node:
+    register again), ``AUTH`` (our token was refused:
     a configuration error), ``REJECTED`` (any other refusal, e.g. a wrong base
     URL or a payload it does not accept) or ``TRANSIENT`` (down, overloaded
     or slow: retry with backoff).
@@ -70,7 +97,7 @@ def classify(kind: str, code: int | None) -> str:
         return TRANSIENT
     if 200 <= code < 300:
         return OK
-    if code in (404, 410) and kind in ("heartbeat", "deregister"):
+    if code in (404, 410) and kind in (RequestKind.HEARTBEAT, RequestKind.DEREGISTER):
         return FORGOTTEN
     if code in (401, 403):
         return AUTH
@@ -231,8 +258,7 @@ class DispatcherClient(Service):
 
     def _start_books(self) -> None:
         """The state, counters and loop bookkeeping of a client that has not sent anything yet."""
-        #: ``"unregistered"``, ``"registered"`` or ``"unreachable"``.
-        self.state = UNREGISTERED
+        self.state: DispatcherState = UNREGISTERED
         #: ``reactor.seconds()`` of the last answered-OK request, or None.
         self.last_success: float | None = None
         self.heartbeats_ok = 0
@@ -243,7 +269,7 @@ class DispatcherClient(Service):
         self._registered = False
         self._maybe_known = False
         self._node_id: str | None = None
-        self._problem: str | None = None
+        self._problem: Outcome | None = None
         self._problem_since: float | None = None
         self._failed_attempts = 0
         self._builder_broken = False
@@ -371,8 +397,8 @@ class DispatcherClient(Service):
         code, detail = await self._post(REGISTER_PATH, payload, self.request_timeout)
         if not self.running:
             raise CancelledError()  # stopped while the request was cancelled: report nothing
-        outcome = classify("register", code)
-        self._report("register", outcome == OK)
+        outcome = classify(RequestKind.REGISTER, code)
+        self._report(RequestKind.REGISTER, outcome == OK)
         if outcome == OK:
             self.registrations_ok += 1
             self._registered = True
@@ -384,7 +410,7 @@ class DispatcherClient(Service):
             )
             return started + self.interval - self._reactor.seconds()
         self.registrations_failed += 1
-        return self._failed("register", outcome, code, detail)
+        return self._failed(RequestKind.REGISTER, outcome, code, detail)
 
     async def _beat(self) -> float:
         started = self._reactor.seconds()
@@ -394,8 +420,8 @@ class DispatcherClient(Service):
         code, detail = await self._post(HEARTBEAT_PATH, payload, self.request_timeout)
         if not self.running:
             raise CancelledError()  # stopped while the request was cancelled: report nothing
-        outcome = classify("heartbeat", code)
-        self._report("heartbeat", outcome == OK)
+        outcome = classify(RequestKind.HEARTBEAT, code)
+        self._report(RequestKind.HEARTBEAT, outcome == OK)
         if outcome == OK:
             self.heartbeats_ok += 1
             self._succeeded()
@@ -414,7 +440,7 @@ class DispatcherClient(Service):
                 code=code,
             )
             return 0.0
-        return self._failed("heartbeat", outcome, code, detail)
+        return self._failed(RequestKind.HEARTBEAT, outcome, code, detail)
 
     def _build(self, what: str, builder: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
         """Call a payload builder; a broken one is logged once, not per beat."""
@@ -457,7 +483,7 @@ class DispatcherClient(Service):
         self._problem_since = None
         self._failed_attempts = 0
 
-    def _failed(self, kind: str, outcome: str, code: int | None, detail: str) -> float:
+    def _failed(self, kind: RequestKind, outcome: Outcome, code: int | None, detail: str) -> float:
         """Record a failed request; log only if the kind of failure changed."""
         self.state = UNREACHABLE
         self._failed_attempts += 1
@@ -494,7 +520,7 @@ class DispatcherClient(Service):
                 )
         return delay
 
-    def _report(self, kind: str, ok: bool) -> None:
+    def _report(self, kind: RequestKind, ok: bool) -> None:
         if self.on_result is None:
             return
         try:
@@ -581,8 +607,8 @@ class DispatcherClient(Service):
             return
         payload = deregistration_payload(node_id)
         code, detail = await self._post(DEREGISTER_PATH, payload, self.deregister_timeout)
-        outcome = classify("deregister", code)
-        self._report("deregister", outcome in (OK, FORGOTTEN))
+        outcome = classify(RequestKind.DEREGISTER, code)
+        self._report(RequestKind.DEREGISTER, outcome in (OK, FORGOTTEN))
         self._registered = False
         self._maybe_known = False
         self.state = UNREGISTERED

@@ -20,8 +20,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import attr
 
-#: The DispatcherClient state that counts as registered.
-REGISTERED = "registered"
+from rolemesh.dispatcher import REGISTERED, DispatcherState
 
 
 @attr.s(auto_attribs=True, frozen=True)
@@ -65,7 +64,7 @@ def decide(
     devices: int,
     preloading: int,
     draining: bool,
-    dispatcher_state: Optional[str] = None,
+    dispatcher_state: Optional[DispatcherState] = None,
 ) -> Readiness:
     """Judge readiness from plain facts (``dispatcher_state`` None: standalone)."""
     checks = [

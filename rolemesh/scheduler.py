@@ -45,10 +45,22 @@ from typing import Callable, Deque, Dict, Iterable, List, Mapping, Optional, Seq
 
 import attr
 
-QUEUED = "queued"
-RUNNING = "running"
-DONE = "done"
-CANCELLED = "cancelled"
+from rolemesh.enums import StrEnum
+
+
+class TicketState(StrEnum):
+    """Where a ticket is: waiting in a queue, running, or over."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+
+
+QUEUED = TicketState.QUEUED
+RUNNING = TicketState.RUNNING
+DONE = TicketState.DONE
+CANCELLED = TicketState.CANCELLED
 
 
 #: The model id of an unload ticket: starting it is a switch to "no model", so
@@ -69,7 +81,7 @@ class Ticket:
     model_id: str
     parallel: int = 1
     device: Optional[str] = None
-    state: str = QUEUED
+    state: TicketState = QUEUED
     #: How many later tickets started before this one while it was queued.
     overtaken: int = 0
     #: Whether starting this ticket switched the device to its model.
