@@ -15,8 +15,7 @@ tests drive it with ``task.Clock`` and ``treq.testing.StubTreq``.
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple
 
 from treq.client import HTTPClient
 from twisted.application.service import Service
@@ -82,7 +81,7 @@ _TRANSIENT_CODES = frozenset({408, 425, 429})
 _MAX_DETAIL = 200
 
 
-def classify(kind: str, code: int | None) -> Outcome:
+def classify(kind: str, code: Optional[int]) -> Outcome:
     """What the dispatcher's answer to a ``kind`` request means.
 
     ``code`` is the HTTP status, or ``None`` when no answer came (connection
@@ -106,8 +105,8 @@ def classify(kind: str, code: int | None) -> Outcome:
     return REJECTED
 
 
-def _default_http(reactor: IHTTPClientReactor, timeout: float, tls_policy: IPolicyForHTTPS | None = None,
-                  pool: HTTPConnectionPool | None = None) -> HTTPClient:
+def _default_http(reactor: IHTTPClientReactor, timeout: float, tls_policy: Optional[IPolicyForHTTPS] = None,
+                  pool: Optional[HTTPConnectionPool] = None) -> HTTPClient:
     """A treq ``HTTPClient`` on ``reactor`` with a bounded connect time.
 
     ``tls_policy`` (an ``IPolicyForHTTPS``, see
@@ -202,21 +201,21 @@ class DispatcherClient(Service):
     def __init__(
         self,
         base_url: str,
-        token: str | None,
-        registration: Callable[[], dict[str, Any]],
-        heartbeat: Callable[[], dict[str, Any]],
+        token: Optional[str],
+        registration: Callable[[], Dict[str, Any]],
+        heartbeat: Callable[[], Dict[str, Any]],
         interval: float,
-        reactor: IHTTPClientReactor | None = None,
-        http: PostsJSON | None = None,
+        reactor: Optional[IHTTPClientReactor] = None,
+        http: Optional[PostsJSON] = None,
         request_timeout: float = 5.0,
         *,
-        backoff_base: float | None = None,
-        backoff_cap: float | None = None,
-        slow_retry: float | None = None,
+        backoff_base: Optional[float] = None,
+        backoff_cap: Optional[float] = None,
+        slow_retry: Optional[float] = None,
         deregister_timeout: float = 2.0,
         random: Callable[[], float] = _random.random,
-        on_result: Callable[[str, bool], None] | None = None,
-        tls_policy: DispatcherTLSPolicy | None = None,
+        on_result: Optional[Callable[[str, bool], None]] = None,
+        tls_policy: Optional[DispatcherTLSPolicy] = None,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be positive, got {interval!r}")
@@ -234,8 +233,8 @@ class DispatcherClient(Service):
         self._retry_policy(backoff_base, backoff_cap, slow_retry, random)
         self._start_books()
 
-    def _connect(self, http: PostsJSON | None, request_timeout: float, deregister_timeout: float,
-                 tls_policy: DispatcherTLSPolicy | None) -> None:
+    def _connect(self, http: Optional[PostsJSON], request_timeout: float, deregister_timeout: float,
+                 tls_policy: Optional[DispatcherTLSPolicy]) -> None:
         """The HTTP client (``http``, else a quiet treq on the reactor) and its time limits."""
         #: The :class:`rolemesh.tls.DispatcherTLSPolicy` (None: treq's default
         #: for https://); its ``reload_for`` is the config-reload hook.
@@ -247,7 +246,7 @@ class DispatcherClient(Service):
         self.request_timeout = float(request_timeout)
         self.deregister_timeout = float(deregister_timeout)
 
-    def _retry_policy(self, backoff_base: float | None, backoff_cap: float | None, slow_retry: float | None,
+    def _retry_policy(self, backoff_base: Optional[float], backoff_cap: Optional[float], slow_retry: Optional[float],
                       random: Callable[[], float]) -> None:
         """Back-off after transient failures; the slow retry after refusals."""
         cap = float(backoff_cap) if backoff_cap is not None else self.interval
@@ -260,7 +259,7 @@ class DispatcherClient(Service):
         """The state, counters and loop bookkeeping of a client that has not sent anything yet."""
         self.state: DispatcherState = UNREGISTERED
         #: ``reactor.seconds()`` of the last answered-OK request, or None.
-        self.last_success: float | None = None
+        self.last_success: Optional[float] = None
         self.heartbeats_ok = 0
         self.heartbeats_failed = 0
         self.registrations_ok = 0
@@ -268,13 +267,13 @@ class DispatcherClient(Service):
 
         self._registered = False
         self._maybe_known = False
-        self._node_id: str | None = None
-        self._problem: Outcome | None = None
-        self._problem_since: float | None = None
+        self._node_id: Optional[str] = None
+        self._problem: Optional[Outcome] = None
+        self._problem_since: Optional[float] = None
         self._failed_attempts = 0
         self._builder_broken = False
-        self._call: IDelayedCall | None = None
-        self._inflight: Deferred[Any] | None = None
+        self._call: Optional[IDelayedCall] = None
+        self._inflight: Optional[Deferred[Any]] = None
         self._register_again = False
 
     def __repr__(self) -> str:
@@ -326,7 +325,7 @@ class DispatcherClient(Service):
         closed.addErrback(lambda failure: None)
         return closed
 
-    def reregister(self, token: str | None) -> None:
+    def reregister(self, token: Optional[str]) -> None:
         """Register afresh now (after a config reload: the payload, the
         token or both may have changed); heartbeats follow as usual."""
         self._token = token or None
@@ -442,7 +441,7 @@ class DispatcherClient(Service):
             return 0.0
         return self._failed(RequestKind.HEARTBEAT, outcome, code, detail)
 
-    def _build(self, what: str, builder: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+    def _build(self, what: str, builder: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         """Call a payload builder; a broken one is logged once, not per beat."""
         try:
             payload = builder()
@@ -483,7 +482,7 @@ class DispatcherClient(Service):
         self._problem_since = None
         self._failed_attempts = 0
 
-    def _failed(self, kind: RequestKind, outcome: Outcome, code: int | None, detail: str) -> float:
+    def _failed(self, kind: RequestKind, outcome: Outcome, code: Optional[int], detail: str) -> float:
         """Record a failed request; log only if the kind of failure changed."""
         self.state = UNREACHABLE
         self._failed_attempts += 1
@@ -531,13 +530,13 @@ class DispatcherClient(Service):
     # ------------------------------------------------------------------
     # HTTP
 
-    def _headers(self) -> dict[str, str]:
+    def _headers(self) -> Dict[str, str]:
         headers = {"Accept": "application/json", "User-Agent": f"rolemesh-node-agent/{__version__}"}
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
         return headers
 
-    async def _post(self, path: str, payload: dict[str, Any], timeout: float) -> tuple[int | None, str]:
+    async def _post(self, path: str, payload: Dict[str, Any], timeout: float) -> Tuple[Optional[int], str]:
         """POST ``payload``; return ``(status, detail)``, status None if no answer.
 
         Never raises except :class:`CancelledError` when the service stops.
@@ -545,7 +544,7 @@ class DispatcherClient(Service):
         """
         url = self.base_url + path
 
-        async def exchange() -> tuple[int, bytes]:
+        async def exchange() -> Tuple[int, bytes]:
             response = await self._http.post(
                 url,
                 json=payload,

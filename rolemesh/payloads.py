@@ -10,8 +10,7 @@ here, so they cannot end up in a payload.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from rolemesh.config import NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
@@ -34,8 +33,8 @@ def registration_payload(
     backend: str,
     devices: Sequence[DeviceRef],
     version: str,
-    memory: Mapping[str, Mapping[str, Any]] | None = None,
-) -> dict[str, Any]:
+    memory: Optional[Mapping[str, Mapping[str, Any]]] = None,
+) -> Dict[str, Any]:
     """The body of ``POST <dispatcher>/v1/nodes/register``.
 
     ``backend`` is the resolved backend name (never ``auto``); ``devices`` are
@@ -64,7 +63,7 @@ def registration_payload(
     }
 
 
-def _placement(memory: Mapping[str, Any] | None) -> dict[str, Any]:
+def _placement(memory: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     if memory is None:
         return {}
     estimate = memory.get("memory_estimate")
@@ -80,15 +79,15 @@ def device_state(
     state: str,
     *,
     now: float,
-    model: str | None = None,
-    port: int | None = None,
-    pid: int | None = None,
+    model: Optional[str] = None,
+    port: Optional[int] = None,
+    pid: Optional[int] = None,
     in_flight: int = 0,
     queued: int = 0,
     pending_limit: int,
     restarts: int = 0,
-    metrics: DeviceMetrics | None = None,
-) -> dict[str, Any]:
+    metrics: Optional[DeviceMetrics] = None,
+) -> Dict[str, Any]:
     """One entry of a heartbeat's ``devices`` list, in the documented shape.
 
     The one place these key names live (``Node.device_states`` builds its
@@ -114,7 +113,7 @@ def heartbeat_payload(
     seq: int,
     now: float,
     devices: Sequence[Mapping[str, Any]],
-) -> dict[str, Any]:
+) -> Dict[str, Any]:
     """The body of ``POST <dispatcher>/v1/nodes/heartbeat``.
 
     ``seq`` increases by one per heartbeat for the life of the process, so the
@@ -124,7 +123,7 @@ def heartbeat_payload(
     :class:`DeviceMetrics` record is converted with its age relative to
     ``now``.  Entries are copied, never mutated.
     """
-    entries: list[dict[str, Any]] = []
+    entries: List[Dict[str, Any]] = []
     for d in devices:
         entry = dict(d)
         metrics = entry.get("metrics")
@@ -135,6 +134,6 @@ def heartbeat_payload(
             "devices": entries}
 
 
-def deregistration_payload(node_id: str) -> dict[str, Any]:
+def deregistration_payload(node_id: str) -> Dict[str, Any]:
     """The body of ``POST <dispatcher>/v1/nodes/deregister``."""
     return {"node_id": node_id}

@@ -284,7 +284,7 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
     def stopService(self) -> "defer.Deferred[None]":
         if self._stopping is None:
             self._overdue = self.reactor.callLater(shutdown_deadline(self.config), self._shutdown_overdue)
-            self._stopping = defer.ensureDeferred(self._stop_in_order())
+            self._stopping = defer.Deferred.fromCoroutine(self._stop_in_order())
             self._stopping.addBoth(self._stopped_in_time)
         return self._stopping
 

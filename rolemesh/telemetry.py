@@ -501,14 +501,13 @@ class TelemetrySampler(UsesReactor[IHTTPClientReactor]):
     def _done(self, _: Any, name: str) -> None:
         self._in_flight.pop(name, None)
 
-    @defer.inlineCallbacks
-    def _fetch(self, url: str, optional: bool = False) -> Any:
+    async def _fetch(self, url: str, optional: bool = False) -> Optional[bytes]:
         """The body, or None when ``optional`` and the child has the endpoint
         off (llama-server answers 501 "not supported"; 404 on other builds)."""
         # No treq ``timeout=`` (it would use the global reactor): the caller's
         # timer cancels the whole sample.
-        response = yield self.get(url)
-        body = yield response.content()
+        response = await self.get(url)
+        body: bytes = await response.content()
         if optional and response.code in (404, 501):
             return None
         if response.code != 200:
@@ -519,7 +518,8 @@ class TelemetrySampler(UsesReactor[IHTTPClientReactor]):
 
     def _sample_one(self, device: str, model: str, base_url: str, generation: int) -> "Deferred[None]":
         work = defer.gatherResults(
-            [self._fetch(base_url + "/metrics"), self._fetch(base_url + "/slots", optional=True)],
+            [Deferred.fromCoroutine(self._fetch(base_url + "/metrics")),
+             Deferred.fromCoroutine(self._fetch(base_url + "/slots", optional=True))],
             consumeErrors=True,
         )
         timer = self.reactor.callLater(self.timeout, work.cancel)
