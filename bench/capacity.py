@@ -269,7 +269,7 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
     agent_log = os.path.join(workdir, "agent.log")
     argv = [sys.executable]
     if args.profile_agent:
-        argv += ["-m", "cProfile", "-o", os.path.abspath(args.profile_agent)]
+        argv += [os.path.join(ROOT, "bench", "cpu_profile.py"), os.path.abspath(args.profile_agent)]
     agent = procs.start(argv + ["-m", args.agent_module, "--config", config_path], agent_log)
     wait_http(agent_port, "/health", agent, agent_log)
     agent_client = Client(agent_port)

@@ -14,7 +14,7 @@ import json
 import re
 import time
 import uuid
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from klein import Klein
 from twisted.internet import defer
@@ -25,6 +25,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from rolemesh import errors
 from rolemesh.config import NodeConfig
 from rolemesh.events import Events
+from rolemesh.fast_channel import FastRoute
 from rolemesh.node import Node
 from rolemesh.proxy import CLIENT_GONE, STALLED, Proxy, UpstreamUnreachable
 from rolemesh.readiness import Readiness
@@ -40,6 +41,9 @@ MAX_LOG_TAIL = 1000
 #: The request log line and metrics wait this long after the answer, so the
 #: reactor flushes the answer to the client before spending time on them.
 RECORD_DELAY_S = 0.002
+#: ``(endpoint, path)`` of the routes relayed to llama-server.
+PROXIED_ROUTES = (("chat/completions", "/v1/chat/completions"), ("completions", "/v1/completions"),
+                  ("embeddings", "/v1/embeddings"))
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _CREATED = int(time.time())
 
@@ -140,6 +144,8 @@ class NodeAPI:
         self.use_config(config)
         #: Told ("request", **fields) of each finished proxied request.
         self.events = Events(*observers)
+        #: Finished requests not yet logged (see _record_later).
+        self._unrecorded: List[Dict[str, Any]] = []
 
     def use_config(self, config: NodeConfig) -> None:
         """Serve with ``config`` from the next request on (a reload: models,
@@ -300,6 +306,25 @@ class NodeAPI:
 
     # -- proxied OpenAI routes ---------------------------------------------------------
 
+    def fast_routes(self) -> Dict[bytes, FastRoute]:
+        """The proxied routes, for :class:`~rolemesh.fast_channel.FastChannel`:
+        the same ``_proxy`` as the Klein routes below, with what Klein adds
+        (its error handlers) done here."""
+        return {path.encode("ascii"): functools.partial(self._fast_proxy, endpoint, path)
+                for endpoint, path in PROXIED_ROUTES}
+
+    def _fast_proxy(self, endpoint: str, path: str, request: Any) -> "defer.Deferred[Optional[bytes]]":
+        d = self._proxy(request, endpoint, path)
+        d.addErrback(self._fast_error, request)
+        return d
+
+    def _fast_error(self, failure: Any, request: Any) -> Any:
+        if failure.check(errors.ApiError):
+            return _error(request, failure.value)
+        if failure.check(defer.CancelledError):
+            return failure
+        return self._unexpected(request, failure)
+
     @app.route("/v1/chat/completions", methods=["POST"])
     def chat_completions(self, request: Any) -> Any:
         return self._proxy(request, "chat/completions", "/v1/chat/completions")
@@ -354,6 +379,19 @@ class NodeAPI:
         rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         request.setHeader(b"x-request-id", rid.encode("ascii"))
         return rid
+
+    def _record_later(self, _: Any, fields: Dict[str, Any]) -> None:
+        """Log and observe a finished request a moment later, with the others
+        finished meanwhile: one wake-up for all of them, after their answers
+        went out."""
+        self._unrecorded.append(fields)
+        if len(self._unrecorded) == 1:
+            self.node.reactor.callLater(RECORD_DELAY_S, self._record_all)
+
+    def _record_all(self) -> None:
+        records, self._unrecorded = self._unrecorded, []
+        for fields in records:
+            self._record(fields)
 
     def _record(self, fields: Dict[str, Any]) -> None:
         log.info("POST /v1/{endpoint} {model} -> {status} on {device} in {duration_ms:.1f} ms",
@@ -428,5 +466,5 @@ class NodeAPI:
             # Log and observe once the answer is out, not before its last byte.
             fields = dict(endpoint=endpoint, model=model_id, status=status, duration=time.monotonic() - started,
                           ttfb=first_byte[0] if first_byte else None, device=device, request_id=rid)
-            request.notifyFinish().addBoth(lambda _: self.node.reactor.callLater(RECORD_DELAY_S, self._record, fields))
+            request.notifyFinish().addBoth(self._record_later, fields)
 

@@ -303,7 +303,7 @@ def plain_key(field: Any) -> Optional[KeyDoc]:
 # The records
 
 
-@attr.s(auto_attribs=True, frozen=True)
+@attr.s(auto_attribs=True, frozen=True, cache_hash=True)  # a key of per-request caches (node.estimate_for)
 class ModelConfig:
     """One validated ``models[]`` entry."""
 

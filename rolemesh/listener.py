@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError
@@ -27,6 +27,7 @@ from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
 
 from rolemesh.errors import ApiError
+from rolemesh.fast_channel import FastChannel, FastRoute, HttpDate
 
 log = Logger()
 
@@ -128,8 +129,13 @@ class GuardedSite(Site):
         request_read_timeout: Optional[float] = 30.0,
         max_connections: int = 1024,
         max_body_bytes: Optional[int] = None,
+        fast_routes: Optional[Dict[bytes, FastRoute]] = None,
     ) -> None:
         super().__init__(resource, requestFactory=LimitedRequest, timeout=idle_timeout, reactor=reactor)
+        #: Paths a :class:`~rolemesh.fast_channel.FastChannel` answers itself
+        #: (the proxied routes); None: every request goes through twisted.web.
+        self.fast_routes = fast_routes
+        self.http_date = HttpDate(self.reactor)
         self.max_body_bytes = max_body_bytes
         self.request_read_timeout = request_read_timeout
         self.max_connections = max_connections
@@ -150,7 +156,11 @@ class GuardedSite(Site):
             self._refusing = True
             return None
         self._refusing = False
-        channel = super().buildProtocol(addr)
+        channel: Any
+        if self.fast_routes:
+            channel = FastChannel(self, self.fast_routes, lambda: super(GuardedSite, self).buildProtocol(addr))
+        else:
+            channel = super().buildProtocol(addr)
         if channel is not None:
             self.open_connections += 1
         return channel

@@ -13,6 +13,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.api import MAX_LOG_TAIL, MAX_MODEL_NAME, RECORD_DELAY_S, NodeAPI, parse_body
 from rolemesh.errors import ApiError
+from rolemesh.listener import GuardedSite
 from rolemesh.proxy import Proxy
 from rolemesh.supervisor import READY, STARTING, STOPPING
 from tests.test_node import NodeHarness
@@ -48,7 +49,8 @@ class Answer:
 
 
 class ApiHarness:
-    def __init__(self, keys: Sequence[str] = (), devices: int = 1, auto: bool = True, **top: Any) -> None:
+    def __init__(self, keys: Sequence[str] = (), devices: int = 1, auto: bool = True, fast: bool = False,
+                 **top: Any) -> None:
         if keys:
             top["api_keys"] = list(keys)
         self.node_h = NodeHarness(devices=devices, **top)
@@ -68,6 +70,22 @@ class ApiHarness:
         )
         self.treq: Any = StubTreq(self.api.resource())
         self.keys = list(keys)
+        #: Requests the fast channel answered itself (``fast``).
+        self.fast_served = 0
+        if fast:
+            # The client's connections go to the listener's site, whose
+            # FastChannel serves the proxied routes and hands the rest to
+            # twisted.web; no deadlines, as with StubTreq's own Site.
+            def counted(route: Any) -> Any:
+                def serve(request: Any) -> Any:
+                    self.fast_served += 1
+                    return route(request)
+                return serve
+
+            routes = {path: counted(route) for path, route in self.api.fast_routes().items()}
+            self.treq._agent._serverFactory = GuardedSite(
+                self.api.resource(), reactor=self.reactor, idle_timeout=None, request_read_timeout=None,
+                max_body_bytes=self.config.max_request_body_bytes, fast_routes=routes)
 
     @property
     def observed(self) -> List[Dict[str, Any]]:
@@ -111,9 +129,11 @@ class ApiHarness:
 class ApiTestCase(SynchronousTestCase):
     keys: Tuple[str, ...] = ()
     top: Dict[str, Any] = {}
+    #: Send requests through the listener's fast channel (see FastChannel*Tests).
+    fast = False
 
     def setUp(self) -> None:
-        self.h = ApiHarness(keys=self.keys, **self.top)
+        self.h = ApiHarness(keys=self.keys, fast=self.fast, **self.top)
         self.bodies: List[bytes] = []
 
     def assertError(self, answer: Answer, status: int, code: Optional[str] = None) -> Dict[str, Any]:
@@ -669,3 +689,34 @@ class ParseBodyTests(SynchronousTestCase):
             with self.assertRaises(ApiError) as caught:
                 parse_body(body, 1 << 20)
             self.assertEqual(caught.exception.status, 400, body[:20])
+
+
+# The same tests with the listener's fast channel in front (rolemesh/fast_channel.py):
+# the proxied routes must answer exactly as through Klein.
+
+
+class FastChannelProxiedRequestTests(ProxiedRequestTests):
+    fast = True
+
+    def test_served_by_the_fast_channel(self) -> None:
+        self.loaded()
+        answer = self.h.chat({"model": "a", **CHAT})
+        self.assertEqual(answer.code, 200)
+        self.assertEqual(self.h.fast_served, 1)
+        self.assertEqual(answer.header("x-request-id") is not None, True)
+
+
+class FastChannelDisconnectTests(DisconnectWhileWaitingTests):
+    fast = True
+
+
+class FastChannelRequestErrorTests(RequestErrorTests):
+    fast = True
+
+
+class FastChannelAuthTests(AuthTests):
+    fast = True
+
+
+class FastChannelRequestIdTests(RequestIdTests):
+    fast = True

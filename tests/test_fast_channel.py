@@ -1,0 +1,279 @@
+"""The client connection's fast path: parsing, answers, hand-off to twisted.web, deadlines."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from hypothesis import given
+from hypothesis import strategies as st
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.error import ConnectionDone, ConnectionLost
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.resource import Resource
+
+from rolemesh.fast_channel import FastChannel, FastRequest, fast_body_length, parse_request_head
+from rolemesh.listener import GuardedSite
+
+BODY = b'{"model": "m"}'
+
+
+def post(path: bytes = b"/fast", body: bytes = BODY, extra: bytes = b"") -> bytes:
+    return (b"POST " + path + b" HTTP/1.1\r\nHost: node\r\nContent-Type: application/json\r\n" + extra +
+            b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+class Route:
+    """A route that records its requests and answers when told to."""
+
+    def __init__(self) -> None:
+        self.requests: List[FastRequest] = []
+        self.results: List[Deferred] = []
+        self.cancelled = 0
+
+    def __call__(self, request: FastRequest) -> Deferred:
+        self.requests.append(request)
+        d: Deferred = Deferred(lambda _: self._cancel())
+        self.results.append(d)
+        return d
+
+    def _cancel(self) -> None:
+        self.cancelled += 1
+
+
+def head_and_body(raw: bytes) -> tuple:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b": ")
+        headers[name.lower()] = value
+    return lines[0], headers, body
+
+
+class ParseTests(SynchronousTestCase):
+    def test_request_head(self) -> None:
+        parsed = parse_request_head(b"POST /v1/x HTTP/1.1\r\nHost: a\r\nX-Request-Id:  r1 \r\nContent-Length: 2")
+        self.assertEqual(parsed, (b"POST", b"/v1/x", {b"host": b"a", b"x-request-id": b"r1",
+                                                        b"content-length": b"2"}))
+
+    def test_heads_for_twisted_web(self) -> None:
+        for head in (b"POST /x HTTP/1.0\r\nContent-Length: 1",  # HTTP/1.0
+                     b"POST /x  HTTP/1.1",  # odd request line
+                     b"POST /x HTTP/1.1\r\nBad header",
+                     b"POST /x HTTP/1.1\r\nA: 1\r\n folded",
+                     b"POST /x HTTP/1.1\r\nName : v",
+                     b"POST /x HTTP/1.1\r\nA: 1\r\nA: 2",  # repeated
+                     b"POST /x HTTP/1.1\r\n\xff: v"):
+            self.assertIsNone(parse_request_head(head), head)
+
+    def test_body_length(self) -> None:
+        self.assertEqual(fast_body_length({b"content-length": b"12"}, 100), 12)
+        self.assertEqual(fast_body_length({b"content-length": b"0"}, None), 0)
+        for headers in ({}, {b"content-length": b"-1"}, {b"content-length": b"1 2"},
+                        {b"content-length": b"101"}, {b"content-length": b"1", b"transfer-encoding": b"chunked"},
+                        {b"content-length": b"1", b"expect": b"100-continue"},
+                        {b"content-length": b"1", b"host": b"\xff"}):
+            self.assertIsNone(fast_body_length(headers, 100), headers)
+
+    @given(st.binary(max_size=300))
+    def test_any_bytes_parse_or_fall_back(self, head: bytes) -> None:
+        parsed = parse_request_head(head)
+        if parsed is not None:
+            method, path, headers = parsed
+            self.assertEqual(head.split(b"\r\n")[0], method + b" " + path + b" HTTP/1.1")
+            fast_body_length(headers, 1000)
+
+
+class SlowPath(Resource):
+    isLeaf = True
+
+    def render(self, request: Any) -> bytes:
+        return b"slow path"
+
+
+class ChannelTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.clock.advance(1764540000)
+        self.route = Route()
+        self.site = GuardedSite(SlowPath(), reactor=self.clock, idle_timeout=60,
+                                request_read_timeout=10, max_body_bytes=1000, fast_routes={b"/fast": self.route})
+        self.channel = self.site.buildProtocol(None)
+        self.transport = StringTransport()
+        self.channel.makeConnection(self.transport)
+
+    def tearDown(self) -> None:
+        if not self.channel._closed:
+            self.channel.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(self.site.open_connections, 0)
+
+    def test_is_a_fast_channel_counted_by_the_site(self) -> None:
+        self.assertIsInstance(self.channel, FastChannel)
+        self.assertEqual(self.site.open_connections, 1)
+
+    def test_answer_with_a_body(self) -> None:
+        self.channel.dataReceived(post(extra=b"Authorization: Bearer k\r\n"))
+        (request,) = self.route.requests
+        self.assertEqual(request.content.read(), BODY)
+        self.assertEqual(request.getHeader(b"Authorization"), b"Bearer k")
+        self.assertEqual((request.method, request.path), (b"POST", b"/fast"))
+        request.setResponseCode(429)
+        request.setHeader(b"retry-after", b"1")
+        self.route.results[0].callback(b'{"error": 1}')
+        status, headers, body = head_and_body(self.transport.value())
+        self.assertEqual(status, b"HTTP/1.1 429 Too Many Requests")
+        self.assertEqual(headers[b"content-length"], b"12")
+        self.assertEqual(headers[b"retry-after"], b"1")
+        self.assertEqual(headers[b"date"], b"Sun, 30 Nov 2025 22:00:00 GMT")
+        self.assertEqual(body, b'{"error": 1}')
+        self.assertTrue(request.finished)
+        self.assertIn(b"\r\nRetry-After: 1\r\n", self.transport.value())  # names as twisted.web writes them
+
+    def test_relayed_answer_with_its_own_length(self) -> None:
+        self.channel.dataReceived(post())
+        (request,) = self.route.requests
+        request.setResponseCode(200, b"OK")
+        request.responseHeaders.setRawHeaders(b"Content-Length", [b"5"])
+        request.write(b"hel")
+        request.write(b"lo")
+        self.route.results[0].callback(None)
+        status, headers, body = head_and_body(self.transport.value())
+        self.assertEqual(headers[b"content-length"], b"5")
+        self.assertNotIn(b"transfer-encoding", headers)
+        self.assertEqual(body, b"hello")
+
+    def test_stream_is_chunked(self) -> None:
+        self.channel.dataReceived(post())
+        (request,) = self.route.requests
+        request.setHeader(b"content-type", b"text/event-stream")
+        request.write(b"data: 1\n\n")
+        request.write(b"")
+        request.write(b"data: [DONE]\n\n")
+        finished: List[Any] = []
+        request.notifyFinish().addCallback(finished.append)
+        self.route.results[0].callback(None)
+        status, headers, body = head_and_body(self.transport.value())
+        self.assertEqual(headers[b"transfer-encoding"], b"chunked")
+        self.assertEqual(body, b"9\r\ndata: 1\n\n\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+        self.assertEqual(finished, [None])
+
+    def test_keep_alive_serves_the_next_request(self) -> None:
+        self.channel.dataReceived(post())
+        self.route.results[0].callback(b"one")
+        self.channel.dataReceived(post(body=b'{"n": 2}'))
+        self.assertEqual(len(self.route.requests), 2)
+        self.assertEqual(self.route.requests[1].content.read(), b'{"n": 2}')
+        self.route.results[1].callback(b"two")
+        self.assertEqual(self.transport.value().count(b"HTTP/1.1 200 OK"), 2)
+        self.assertFalse(self.transport.disconnecting)
+
+    def test_connection_close_is_honoured(self) -> None:
+        self.channel.dataReceived(post(extra=b"Connection: close\r\n"))
+        self.route.results[0].callback(b"bye")
+        self.assertIn(b"\r\nConnection: close\r\n", self.transport.value())
+        self.assertTrue(self.transport.disconnecting)
+
+    def test_body_in_two_reads(self) -> None:
+        raw = post()
+        self.channel.dataReceived(raw[:-5])
+        self.assertEqual(self.route.requests, [])
+        self.channel.dataReceived(raw[-5:])
+        self.assertEqual(self.route.requests[0].content.read(), BODY)
+
+    def test_pipelined_request_waits_for_the_answer(self) -> None:
+        self.channel.dataReceived(post() + post(body=b'{"n": 2}'))
+        self.assertEqual(len(self.route.requests), 1)
+        self.channel.dataReceived(b"")  # more data while answering: reading pauses
+        self.assertEqual(self.transport.producerState, "paused")
+        self.route.results[0].callback(b"one")
+        self.assertEqual(self.transport.producerState, "producing")
+        self.assertEqual(len(self.route.requests), 2)
+        self.assertEqual(self.route.requests[1].content.read(), b'{"n": 2}')
+
+    def test_client_gone_cancels_the_route(self) -> None:
+        self.channel.dataReceived(post())
+        (request,) = self.route.requests
+        lost: List[Failure] = []
+        request.notifyFinish().addErrback(lost.append)
+        request.registerProducer(object(), True)
+        self.channel.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(self.route.cancelled, 1)
+        self.assertTrue(lost[0].check(ConnectionLost))
+        self.assertTrue(request._disconnected)
+        request.write(b"late")  # a late write or finish is dropped
+        request.finish()
+        self.assertEqual(self.transport.value(), b"")
+        late: List[Failure] = []
+        request.notifyFinish().addErrback(late.append)
+        self.assertEqual(len(late), 1)
+
+    def test_unexpected_route_failure_aborts_the_connection(self) -> None:
+        self.channel.dataReceived(post())
+        self.route.results[0].errback(ZeroDivisionError())
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
+        self.assertTrue(self.transport.disconnecting)
+
+    def test_cancelled_route_logs_nothing(self) -> None:
+        self.channel.dataReceived(post())
+        self.route.results[0].errback(CancelledError())
+        self.assertEqual(self.flushLoggedErrors(), [])
+
+    def hand_off(self, data: bytes) -> None:
+        self.channel.dataReceived(data)
+        self.assertEqual(self.route.requests, [])
+        self.assertIsNotNone(self.channel._fallback)
+
+    def test_other_routes_go_to_twisted_web(self) -> None:
+        self.hand_off(b"GET /health HTTP/1.1\r\nHost: node\r\n\r\n")
+        self.assertIn(b"slow path", self.transport.value())
+        self.channel.dataReceived(post())  # the connection stays with twisted.web
+        self.assertEqual(self.route.requests, [])
+        self.assertEqual(self.transport.value().count(b"slow path"), 2)
+
+    def test_what_the_fast_path_does_not_read_goes_to_twisted_web(self) -> None:
+        for data in (post(extra=b"Transfer-Encoding: chunked\r\n"), post(path=b"/fast?x=1"),
+                     post(body=b"x" * 1001), b"POST /fast HTTP/1.1\r\nContent-Le",
+                     post().replace(b"HTTP/1.1", b"HTTP/1.0"), post(extra=b"Expect: 100-continue\r\n"),
+                     b"GARBAGE\r\n\r\n"):
+            self.setUp()
+            self.hand_off(data)
+            self.tearDown()
+
+    def test_handed_off_connection_is_counted_once(self) -> None:
+        self.hand_off(b"GET /health HTTP/1.1\r\nHost: node\r\n\r\n")
+        self.channel.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(self.site.open_connections, 0)
+
+    def test_partial_request_hits_the_read_deadline(self) -> None:
+        self.clock.advance(9)
+        self.channel.dataReceived(post()[:-3])
+        self.clock.advance(1)
+        self.assertTrue(self.transport.disconnecting)
+
+    def test_deadline_counts_from_the_last_answer(self) -> None:
+        self.clock.advance(5)
+        self.channel.dataReceived(post())
+        self.clock.advance(20)  # answering: no deadline
+        self.assertFalse(self.transport.disconnecting)
+        self.route.results[0].callback(b"x")
+        self.clock.advance(9.9)
+        self.assertFalse(self.transport.disconnecting)
+        self.clock.advance(0.1)
+        self.assertTrue(self.transport.disconnecting)
+
+    def test_no_timer_left_after_close(self) -> None:
+        self.channel.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class WithoutFastRoutesTests(SynchronousTestCase):
+    def test_plain_twisted_web_channel(self) -> None:
+        site = GuardedSite(SlowPath(), reactor=Clock())
+        self.assertNotIsInstance(site.buildProtocol(None), FastChannel)
+
+
+def _unused(_: Optional[Any]) -> Deferred:
+    return succeed(None)
