@@ -23,7 +23,7 @@ from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.client import HTTPConnectionPool
 from twisted.web.iweb import IPolicyForHTTPS
 
 from rolemesh import __version__
@@ -122,8 +122,7 @@ def _default_http(reactor: IHTTPClientReactor, timeout: float, tls_policy: Optio
     """
     if tls_policy is None:
         return quiet_treq(reactor, persistent=False, connect_timeout=timeout)
-    return HTTPClient(Agent(reactor, contextFactory=tls_policy, connectTimeout=timeout,
-                            pool=pool or _tls_pool(reactor)))
+    return quiet_treq(reactor, connect_timeout=timeout, pool=pool or _tls_pool(reactor), tls_policy=tls_policy)
 
 
 def _tls_pool(reactor: IReactorTime) -> HTTPConnectionPool:

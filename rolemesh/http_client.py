@@ -21,7 +21,7 @@ from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP
 from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
 from twisted.web.client import URI, Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
 from twisted.web.error import SchemeNotSupported
-from twisted.web.iweb import IAgentEndpointFactory
+from twisted.web.iweb import IAgentEndpointFactory, IPolicyForHTTPS
 from zope.interface import implementer
 
 from rolemesh.interfaces import IHTTPClientReactor
@@ -36,13 +36,17 @@ def quiet_pool(reactor: IReactorTime, persistent: bool) -> HTTPConnectionPool:
 @implementer(IAgentEndpointFactory)
 class LiteralAddressEndpoints:
     """Plain TCP endpoints for ``http://<ip literal>``; what ``Agent`` builds
-    itself (name resolution, TLS) for everything else, from public parts."""
+    itself (name resolution, TLS) for everything else, from public parts.
 
-    def __init__(self, reactor: IHTTPClientReactor, connect_timeout: Optional[float] = None) -> None:
+    ``tls_policy`` verifies ``https://`` servers (default: treq's and
+    ``Agent``'s, ``BrowserLikePolicyForHTTPS``)."""
+
+    def __init__(self, reactor: IHTTPClientReactor, connect_timeout: Optional[float] = None,
+                 tls_policy: Optional[IPolicyForHTTPS] = None) -> None:
         self._reactor = reactor
         self._timeout = connect_timeout or 30
         self._connect_timeout = connect_timeout
-        self._tls_policy = BrowserLikePolicyForHTTPS()
+        self._tls_policy = tls_policy if tls_policy is not None else BrowserLikePolicyForHTTPS()
 
     def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:  # noqa: N802 - Twisted's name
         host = uri.host.decode("ascii", "replace")
@@ -61,13 +65,15 @@ class LiteralAddressEndpoints:
 
 
 def quiet_agent(reactor: IHTTPClientReactor, persistent: bool, connect_timeout: Optional[float] = None,
-                pool: Optional[HTTPConnectionPool] = None) -> Agent:
-    """An Agent on a quiet pool (``pool`` if given) that does not resolve IP literals."""
+                pool: Optional[HTTPConnectionPool] = None, tls_policy: Optional[IPolicyForHTTPS] = None) -> Agent:
+    """An Agent on a quiet pool (``pool`` if given) that does not resolve IP
+    literals and verifies HTTPS with ``tls_policy`` (default: browser-like)."""
     pool = pool or quiet_pool(reactor, persistent)
-    return Agent.usingEndpointFactory(reactor, LiteralAddressEndpoints(reactor, connect_timeout), pool=pool)
+    endpoints = LiteralAddressEndpoints(reactor, connect_timeout, tls_policy)
+    return Agent.usingEndpointFactory(reactor, endpoints, pool=pool)
 
 
-def quiet_treq(reactor: IHTTPClientReactor, persistent: bool = False,
-               connect_timeout: Optional[float] = None) -> HTTPClient:
-    """A treq ``HTTPClient`` on a quiet Agent."""
-    return HTTPClient(quiet_agent(reactor, persistent, connect_timeout))
+def quiet_treq(reactor: IHTTPClientReactor, persistent: bool = False, connect_timeout: Optional[float] = None,
+               pool: Optional[HTTPConnectionPool] = None, tls_policy: Optional[IPolicyForHTTPS] = None) -> HTTPClient:
+    """A treq ``HTTPClient`` on a quiet Agent (see :func:`quiet_agent`)."""
+    return HTTPClient(quiet_agent(reactor, persistent, connect_timeout, pool, tls_policy))

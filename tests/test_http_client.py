@@ -5,8 +5,9 @@ from __future__ import annotations
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.client import URI
-from twisted.web.iweb import IAgentEndpointFactory
+from twisted.web.client import URI, BrowserLikePolicyForHTTPS
+from twisted.web.iweb import IAgentEndpointFactory, IPolicyForHTTPS
+from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from rolemesh.http_client import LiteralAddressEndpoints, quiet_pool
@@ -32,6 +33,21 @@ class EndpointTests(SynchronousTestCase):
     def test_https_keeps_tls(self):
         endpoint = self.endpoint(b"https://10.0.0.1:9443/v1")
         self.assertNotIsInstance(endpoint, TCP4ClientEndpoint)
+
+    def test_https_uses_the_given_tls_policy(self):
+        """The dispatcher's policy (its CA file, its client certificate)
+        decides every https:// connection of a client built with it."""
+        asked = []
+
+        @implementer(IPolicyForHTTPS)
+        class Policy:
+            def creatorForNetloc(self, hostname, port):  # noqa: N802 - Twisted's name
+                asked.append((hostname, port))
+                return BrowserLikePolicyForHTTPS().creatorForNetloc(hostname, port)
+
+        factory = LiteralAddressEndpoints(MemoryReactorClock(), 2.0, Policy())
+        factory.endpointForURI(URI.fromBytes(b"https://dispatcher.example:9443/v1"))
+        self.assertEqual(asked, [(b"dispatcher.example", 9443)])
 
     def test_pool_is_quiet(self):
         pool = quiet_pool(MemoryReactorClock(), persistent=True)
