@@ -533,6 +533,8 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
     @_transition
     def _became_ready(self) -> None:
         self._stop_watch()
+        if self._child is not None:
+            self._child.serving = True  # its per-request lines are read in batches
         self._ready_at = self.reactor.seconds()
         self.last_load_seconds = self._ready_at - self._started_at
         assert self.model is not None
@@ -699,6 +701,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
             self.child_ended(None, Failure(ProcessLookupError("not running")))
             return
         log.info("stopping llama-server on {device}: {why}", device=self.name, why=why)
+        child.stop_holding()
         if kill_now:
             child.kill()
         else:

@@ -26,13 +26,13 @@ from tests.fakes import FakeBackend, FakeProbe, GroupSignals, ProcessReactor, ma
 
 
 class Harness:
-    def __init__(self, **top):
+    def __init__(self, reactor=None, **top):
         self.config = make_config(
             [{"model_id": "a", "roles": ["chat"]}, {"model_id": "b", "alias": "bee"}],
             **{"llama_server_startup_timeout_s": 10.0, "llama_server_probe_interval_s": 0.5,
                "llama_server_stop_timeout_s": 5.0, **top},
         )
-        self.reactor = ProcessReactor()
+        self.reactor = reactor or ProcessReactor()
         self.probe = FakeProbe()
         self.signals = GroupSignals(self.reactor)
         self.backend = FakeBackend()

@@ -1,0 +1,193 @@
+"""Unit tests of rolemesh.child_process: the output ring, line splitting, and
+reading a serving child's pipes in batches (a Clock and a fake process
+transport with flow control; no real process)."""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+from twisted.internet import process
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+
+from rolemesh.child_process import LARGE_READ, OUTPUT_HOLD_S, ChildProcess, OutputRing
+from rolemesh.supervisor import READY, STOPPED
+from tests.fakes import FakeProcess, ProcessReactor
+from tests.test_supervisor import Harness
+
+
+class PausableProcess(FakeProcess):
+    """A FakeProcess with the flow control of Twisted's posix Process."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.paused = False
+        self.pauses = 0
+        self.resumes = 0
+        super().__init__(*args, **kwargs)
+
+    def pauseProducing(self) -> None:
+        assert not self.paused, "paused twice"
+        self.paused = True
+        self.pauses += 1
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        self.resumes += 1
+
+
+class PausableReactor(ProcessReactor):
+    def spawnProcess(self, processProtocol, executable, args=(), env=None, path=None, uid=None, gid=None,
+                     usePTY=0, childFDs=None):
+        self._next_pid += 1
+        child = PausableProcess(self, processProtocol, list(args), dict(env or {}), self._next_pid)
+        self.processes.append(child)
+        return child
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.lines: List[Tuple[int, bytes]] = []
+        self.progress = 0
+        self.ended: List[Failure] = []
+
+    def child_progressed(self, child: ChildProcess) -> None:
+        self.progress += 1
+
+    def child_output(self, child: ChildProcess, fd: int, line: bytes) -> None:
+        self.lines.append((fd, line))
+
+    def child_ended(self, child: ChildProcess, reason: Failure) -> None:
+        self.ended.append(reason)
+
+
+class OutputRingTests(SynchronousTestCase):
+    def test_the_attempt_is_the_lines_since_its_mark_bounded(self) -> None:
+        ring = OutputRing(size=10, attempt_size=3)
+        ring.append("old")
+        ring.new_attempt()
+        self.assertEqual(ring.attempt(), [])
+        for i in range(5):
+            ring.append(f"l{i}")
+        self.assertEqual(ring.attempt(), ["l2", "l3", "l4"])
+        self.assertEqual(ring.tail(2), ["l3", "l4"])
+        self.assertEqual(ring.tail(0), [])
+        self.assertEqual(ring.tail(100), ["old", "l0", "l1", "l2", "l3", "l4"])
+
+    def test_an_attempt_longer_than_the_ring_is_what_the_ring_holds(self) -> None:
+        ring = OutputRing(size=4, attempt_size=200)
+        ring.new_attempt()
+        for i in range(10):
+            ring.append(f"l{i}")
+        self.assertEqual(ring.attempt(), ["l6", "l7", "l8", "l9"])
+
+
+class HoldTests(SynchronousTestCase):
+    """While serving, a small read is followed by a rest of OUTPUT_HOLD_S."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.sink = Sink()
+        self.child = ChildProcess(self.sink, self.clock, "gpu:0", signal_group=lambda pid, sig: None)
+        self.reactor = PausableReactor()
+        self.transport = self.reactor.spawnProcess(self.child, "llama-server")
+        self.child.pid = self.transport.pid
+
+    def test_the_real_process_transport_has_flow_control(self) -> None:
+        self.assertTrue(callable(getattr(process.Process, "pauseProducing", None)))
+        self.assertTrue(callable(getattr(process.Process, "resumeProducing", None)))
+
+    def test_no_hold_while_loading(self) -> None:
+        self.transport.output("loading\n")
+        self.assertFalse(self.transport.paused)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.assertEqual(self.sink.lines, [(2, b"loading")])
+
+    def test_a_small_read_while_serving_rests_the_pipes_then_reads_again(self) -> None:
+        self.child.serving = True
+        self.transport.output("slot launch\nslot done\n")
+        self.assertEqual(self.sink.lines, [(2, b"slot launch"), (2, b"slot done")], "lines are not delayed")
+        self.assertTrue(self.transport.paused)
+        self.clock.advance(OUTPUT_HOLD_S - 0.001)
+        self.assertTrue(self.transport.paused)
+        self.clock.advance(0.001)
+        self.assertFalse(self.transport.paused)
+        self.assertEqual((self.transport.pauses, self.transport.resumes), (1, 1))
+        self.transport.output("next\n")
+        self.assertTrue(self.transport.paused)
+        self.assertEqual(self.transport.pauses, 2)
+
+    def test_data_from_the_other_pipe_in_the_same_wake_up_does_not_pause_twice(self) -> None:
+        self.child.serving = True
+        self.transport.output("a\n", fd=1)
+        self.transport.output("b\n", fd=2)
+        self.assertEqual((self.transport.pauses, len(self.clock.getDelayedCalls())), (1, 1))
+
+    def test_a_large_read_is_followed_by_the_next_at_once(self) -> None:
+        self.child.serving = True
+        self.transport.output("x" * (LARGE_READ - 1) + "\n")
+        self.assertFalse(self.transport.paused)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_the_end_while_held_cancels_the_resume_and_is_reported(self) -> None:
+        self.child.serving = True
+        self.transport.output("last words")
+        self.assertTrue(self.transport.paused)
+        self.transport.exit(1)
+        self.assertEqual(self.clock.getDelayedCalls(), [], "no orphaned DelayedCall")
+        self.assertEqual(len(self.sink.ended), 1)
+        self.assertEqual(self.sink.lines, [(2, b"last words")])
+        self.assertEqual(self.transport.resumes, 0, "nothing resumes an ended child")
+
+    def test_stop_holding_reads_again_at_once_and_for_good(self) -> None:
+        self.child.serving = True
+        self.transport.output("a\n")
+        self.child.stop_holding()
+        self.assertFalse(self.transport.paused)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.transport.output("stopping\n")
+        self.assertFalse(self.transport.paused)
+
+    def test_a_transport_without_flow_control_is_read_as_output_comes(self) -> None:
+        child = ChildProcess(self.sink, self.clock, "gpu:0")
+        plain = ProcessReactor().spawnProcess(child, "llama-server")
+        child.serving = True
+        plain.output("line\n")
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class SupervisorHoldTests(SynchronousTestCase):
+    """The supervisor holds reads only while its child serves."""
+
+    def setUp(self) -> None:
+        self.h = Harness(reactor=PausableReactor())
+
+    def test_held_only_once_ready_and_released_when_stopped(self) -> None:
+        h = self.h
+        d = h.sup.ensure(h.a)
+        child = h.reactor.last
+        child.output("llama_model_load: loading\n")
+        self.assertFalse(child.paused, "loading output is read at once (readiness, stall)")
+        h.make_ready("a")
+        self.successResultOf(d)
+        self.assertEqual(h.sup.state, READY)
+        child.output("0.01.000 I slot launch_slot_: id 0 | task 1\n")
+        self.assertTrue(child.paused)
+        self.assertIn("0.01.000 I slot launch_slot_: id 0 | task 1", h.sup.logs)
+        stopped = h.sup.stop()
+        self.assertFalse(child.paused, "a stopping child is read at once")
+        child.exit(0)
+        self.successResultOf(stopped)
+        self.assertEqual(h.sup.state, STOPPED)
+        self.assertEqual(h.reactor.getDelayedCalls(), [])
+
+    def test_a_crash_while_held_is_seen_and_leaves_no_timer(self) -> None:
+        h = self.h
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        child = h.reactor.last
+        child.output("0.02.000 I slot release: id 0\n")
+        self.assertTrue(child.paused)
+        child.exit(signal=11)
+        self.assertEqual(h.sup.crashes, 1)
+        self.assertEqual(h.reactor.getDelayedCalls(), [])
