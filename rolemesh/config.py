@@ -25,7 +25,7 @@ import json
 import os
 import shutil
 import socket
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, Union
 
 import attr
 import yaml
@@ -175,9 +175,15 @@ def _device_allow_list(path: str, value: Any) -> Tuple[str, ...]:
     return devices
 
 
-def check_cpu_devices(path: str, value: Any) -> Any:
+#: ``cpu_devices``: ``"numa"`` (one device per NUMA node) or a number of core groups.
+CpuDevices = Union[str, int]
+
+
+def check_cpu_devices(path: str, value: Any) -> CpuDevices:
     """``cpu_devices``: ``"numa"`` or a positive integer (the config and the cpu backend both use this)."""
-    if value != "numa" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+    if value == "numa":
+        return "numa"
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise _fail(path, '"numa" or a positive integer', value)
     return value
 
@@ -416,7 +422,7 @@ class NodeConfig:
         None, _device_allow_list, "list of device names",
         "Allow-list such as `[\"gpu:0\", \"gpu:2\"]`; naming an absent device is an error.",
         default_doc="all discovered")
-    cpu_devices: Optional[Any] = key(
+    cpu_devices: Optional[CpuDevices] = key(
         None, check_cpu_devices, "`numa` or a positive integer",
         "How the `cpu` backend splits the host: one device per NUMA node, or N core groups.",
         default_doc="one device")

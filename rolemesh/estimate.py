@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import mmap
 import struct
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import attr
 
 from rolemesh.config import ModelConfig
+
+#: A GGUF file's bytes: the memory-mapped file, or the bytes themselves.
+GGUFBytes = Union[bytes, bytearray, mmap.mmap]
 
 MIB = 1024 * 1024
 #: llama.cpp pads the context (and the sliding-window cache) to this many cells.
@@ -157,7 +160,7 @@ _KEEP_ARRAY = 65536
 class _Header:
     """A cursor over a memory-mapped GGUF header."""
 
-    def __init__(self, buf: Any) -> None:
+    def __init__(self, buf: GGUFBytes) -> None:
         self.buf = buf
         self.pos = 0
 
@@ -202,7 +205,7 @@ class _Skipped:
         return self.count
 
 
-def parse_header(buf: Any) -> Tuple[Dict[str, Any], List[Tuple[str, Tuple[int, ...], int]]]:
+def parse_header(buf: GGUFBytes) -> Tuple[Dict[str, Any], List[Tuple[str, Tuple[int, ...], int]]]:
     """(key/values, [(tensor name, ggml shape, ggml type)]) from a GGUF's bytes."""
     cursor = _Header(buf)
     if bytes(buf[:4]) != b"GGUF":

@@ -18,7 +18,7 @@ from twisted.internet.interfaces import IReactorTime
 from zope.interface import implementer
 
 from rolemesh.backends import BackendUnavailable
-from rolemesh.config import check_cpu_devices
+from rolemesh.config import CpuDevices, check_cpu_devices
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.interfaces import IDeviceBackend
 from rolemesh.reactor import UsesReactor
@@ -160,7 +160,7 @@ class CpuBackend(UsesReactor[IReactorTime]):
 
     def __init__(
         self,
-        cpu_devices: Any = None,
+        cpu_devices: Optional[CpuDevices] = None,
         reactor: Optional[IReactorTime] = None,
         read: Callable[[str], str] = _read,
         allowed_cores: Optional[Callable[[], Sequence[int]]] = None,

@@ -27,6 +27,7 @@ from rolemesh.backends.commands import (
     checked,
     run_sync,
 )
+from rolemesh.config import CpuDevices
 from rolemesh.devices import DeviceRef
 from rolemesh.errors import ConfigError
 from rolemesh.interfaces import IBackendReactor, IDeviceBackend
@@ -172,7 +173,7 @@ def select_backend(
 def make_backend(
     name: str,
     *,
-    cpu_devices: Any = None,
+    cpu_devices: Optional[CpuDevices] = None,
     reactor: Optional[IBackendReactor] = None,
     sysfs_root: str = "/sys",
     **options: Any,

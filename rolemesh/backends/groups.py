@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from rolemesh.backends.cpu import cpu_mask, cpu_range
 from rolemesh.devices import DeviceRef
+from rolemesh.interfaces import IDeviceBackend
 
 #: Separates member names in a group's name: ``cuda:0+cuda:1``.
 GROUP_SEPARATOR = "+"
@@ -43,7 +44,7 @@ def _join(values: Sequence[Optional[str]]) -> Optional[str]:
     return ",".join(dict.fromkeys(present))
 
 
-def group_environment(backend: Any, members: Sequence[DeviceRef], base: Mapping[str, str]) -> Dict[str, str]:
+def group_environment(backend: IDeviceBackend, members: Sequence[DeviceRef], base: Mapping[str, str]) -> Dict[str, str]:
     """The child environment pinned to every member."""
     envs = [backend.child_environment(d, base) for d in members]
     if len(envs) == 1:
@@ -79,7 +80,7 @@ def group_cpus(members: Sequence[DeviceRef]) -> Tuple[int, ...]:
     return tuple(sorted(set().union(*(d.cpus for d in members))))
 
 
-def group_arguments(backend: Any, members: Sequence[DeviceRef]) -> Dict[str, Any]:
+def group_arguments(backend: IDeviceBackend, members: Sequence[DeviceRef]) -> Dict[str, Any]:
     """llama-server flags the group wants unless the model sets them."""
     if len(members) == 1:
         return dict(backend.child_arguments(members[0]))
@@ -101,7 +102,7 @@ def group_arguments(backend: Any, members: Sequence[DeviceRef]) -> Dict[str, Any
 
 
 def pin_child(
-    backend: Any, members: Sequence[DeviceRef], base: Mapping[str, str]
+    backend: IDeviceBackend, members: Sequence[DeviceRef], base: Mapping[str, str]
 ) -> Tuple[Dict[str, Any], Dict[str, str], Tuple[int, ...]]:
     """(default flags, environment, core set) for a child on ``members``."""
     cpus: Tuple[int, ...] = members[0].cpus if len(members) == 1 else group_cpus(members)
