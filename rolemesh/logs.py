@@ -13,6 +13,7 @@ from twisted.logger import (
     FileLogObserver,
     FilteringLogObserver,
     ILogObserver,
+    LogEvent,
     LogLevel,
     LogLevelFilterPredicate,
     formatEvent,
@@ -46,7 +47,7 @@ def _parse(text: str) -> Optional[List[Tuple[str, Optional[str], str, Optional[s
     return [(literal, name, spec or "", conversion) for literal, name, spec, conversion in parts]
 
 
-def format_event(event: Dict[str, Any]) -> str:
+def format_event(event: LogEvent) -> str:
     """What ``twisted.logger.formatEvent`` returns, with each format string
     parsed once instead of at every event (the request log line is written
     for every request; Twisted's parse was most of its cost)."""
@@ -91,12 +92,12 @@ class _Timestamps:
         return self._text
 
 
-def classic_text(timestamps: Callable[[Optional[float]], str]) -> Callable[[Dict[str, Any]], Optional[str]]:
+def classic_text(timestamps: Callable[[Optional[float]], str]) -> Callable[[LogEvent], Optional[str]]:
     """``formatEventAsClassicLogText`` (what ``textFileLogObserver`` writes),
     byte for byte, with :func:`format_event` and a cached timestamp; events
     that carry a failure go to Twisted's own."""
 
-    def classic(event: Dict[str, Any]) -> Optional[str]:
+    def classic(event: LogEvent) -> Optional[str]:
         if "log_failure" in event:
             return formatEventAsClassicLogText(event, formatTime=lambda when: formatTime(when, timeFormatRFC3339))
         text = format_event(event)
@@ -116,7 +117,7 @@ def classic_text(timestamps: Callable[[Optional[float]], str]) -> Callable[[Dict
     return classic
 
 
-def event_as_json(event: Dict[str, Any]) -> str:
+def event_as_json(event: LogEvent) -> str:
     """One log event as a JSON line: time, level, namespace, message, fields."""
     level = event.get("log_level")
     record: Dict[str, Any] = {
@@ -150,7 +151,7 @@ class JSONLinesObserver:
     def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
 
-    def __call__(self, event: Dict[str, Any]) -> None:
+    def __call__(self, event: LogEvent) -> None:
         self._stream.write(event_as_json(event) + "\n")
         self._stream.flush()
 
