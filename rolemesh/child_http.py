@@ -43,6 +43,8 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import UNKNOWN_LENGTH
 from zope.interface import implementer
 
+from rolemesh.twisted_compat import write_now
+
 #: The most bytes of status line and headers accepted.
 MAX_HEAD = 65536
 CONNECT_TIMEOUT_S = 30.0
@@ -183,7 +185,7 @@ class ChildConnection(Protocol):
         self._body = None
         self._pending = []
         self._ended = None
-        self.transport.write(data)  # type: ignore[union-attr]
+        write_now(self.transport, data)  # type: ignore[arg-type]
 
     def abort(self) -> None:
         self._reusable = False

@@ -40,6 +40,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import RESPONSES, datetimeToString
 
+from rolemesh.twisted_compat import write_now
+
 log = Logger()
 
 #: A route of the fast path: called with the request, fires with the body to
@@ -124,7 +126,7 @@ class FastRequest:
     body_too_large = False
     startedWriting = False
     finished = False
-    _disconnected = False
+    disconnected = False
     _chunked = False
     _close_after = False
 
@@ -179,33 +181,33 @@ class FastRequest:
         return b"".join(lines)
 
     def write(self, data: bytes) -> None:
-        if self.finished or self._disconnected:
+        if self.finished or self.disconnected:
             return
         transport = self.transport
         if not self.startedWriting:
             self.startedWriting = True
             head = self._head(None)
             if self._chunked:
-                transport.write(head + (b"%x\r\n%s\r\n" % (len(data), data) if data else b""))
+                write_now(transport, head + (b"%x\r\n%s\r\n" % (len(data), data) if data else b""))
             else:
-                transport.write(head + data)
+                write_now(transport, head + data)
         elif not data:
             return
         elif self._chunked:
-            transport.writeSequence((b"%x\r\n" % len(data), data, b"\r\n"))
+            write_now(transport, b"%x\r\n%s\r\n" % (len(data), data))
         else:
-            transport.write(data)
+            write_now(transport, data)
 
     def finish(self, body: Optional[bytes] = None) -> None:
         """End the answer (with ``body`` as all of it, when nothing was written yet)."""
-        if self.finished or self._disconnected:
+        if self.finished or self.disconnected:
             return
         if not self.startedWriting:
             self.startedWriting = True
             data = body or b""
-            self.transport.write(self._head(len(data)) + data)
+            write_now(self.transport, self._head(len(data)) + data)
         elif self._chunked:
-            self.transport.write(b"0\r\n\r\n")
+            write_now(self.transport, b"0\r\n\r\n")
         self.finished = True
         waiters, self._finish_waiters = self._finish_waiters, []
         for d in waiters:
@@ -216,7 +218,7 @@ class FastRequest:
         d: Deferred = Deferred()
         if self.finished:
             d.callback(None)
-        elif self._disconnected:
+        elif self.disconnected:
             d.errback(Failure(ConnectionLost("the client closed the connection")))
         else:
             self._finish_waiters.append(d)
@@ -236,7 +238,7 @@ class FastRequest:
 
     def connection_lost(self, reason: Failure) -> None:
         """The client went away before the answer was finished."""
-        self._disconnected = True
+        self.disconnected = True
         if self._producer is not None:
             self._producer = None
         waiters, self._finish_waiters = self._finish_waiters, []
@@ -404,7 +406,7 @@ class FastChannel(Protocol):
     def _answered(self, body: Optional[bytes], request: FastRequest) -> None:
         if request is self._current:
             self._current_result = None
-        if not request.finished and not request._disconnected:
+        if not request.finished and not request.disconnected:
             if body is not None and request.startedWriting:
                 request.write(body)
                 body = None
@@ -413,7 +415,7 @@ class FastChannel(Protocol):
     def _route_failed(self, failure: Failure, request: FastRequest) -> None:
         if request is self._current:
             self._current_result = None
-        if request._disconnected or failure.check(defer.CancelledError):
+        if request.disconnected or failure.check(defer.CancelledError):
             return
         log.failure("unexpected error answering {path}", failure, path=request.path)
         self.transport.abortConnection()  # type: ignore[union-attr]

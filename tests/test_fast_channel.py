@@ -202,7 +202,7 @@ class ChannelTests(SynchronousTestCase):
         self.channel.connectionLost(Failure(ConnectionDone()))
         self.assertEqual(self.route.cancelled, 1)
         self.assertTrue(lost[0].check(ConnectionLost))
-        self.assertTrue(request._disconnected)
+        self.assertTrue(request.disconnected)
         request.write(b"late")  # a late write or finish is dropped
         request.finish()
         self.assertEqual(self.transport.value(), b"")

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from typing import Any, List
 
-from twisted.internet import defer
+from twisted.internet import defer, tcp
 from twisted.internet.error import CannotListenError, ConnectionLost
+from twisted.internet.protocol import Protocol
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
@@ -23,7 +25,7 @@ from twisted.web.test.requesthelper import DummyChannel
 
 import rolemesh
 from rolemesh.listener import EndpointListener, GuardedSite, listening_service
-from rolemesh.twisted_compat import NEVER_SENT, client_disconnected, never_sent, quiet_connection_pool
+from rolemesh.twisted_compat import NEVER_SENT, client_disconnected, never_sent, quiet_connection_pool, write_now
 
 PACKAGE = os.path.dirname(os.path.abspath(rolemesh.__file__))
 #: Private Twisted names the agent once used outside the wrapper module.
@@ -156,6 +158,73 @@ class PublicListenerTests(SynchronousTestCase):
             pending[1].errback(CannotListenError("127.0.0.1", 1, OSError("denied")))
         self.assertTrue(any("cannot listen" in e.get("log_format", "") for e in events), events)
         self.assertEqual(len(self.flushLoggedErrors(CannotListenError)), 1)
+
+
+class _FDSet:
+    """The part of IReactorFDSet a tcp.Connection calls, recorded."""
+
+    def __init__(self) -> None:
+        self.writers: List[Any] = []
+
+    def addWriter(self, fd: Any) -> None:  # noqa: N802 - Twisted's name
+        self.writers.append(fd)
+
+    def removeWriter(self, fd: Any) -> None:  # noqa: N802 - Twisted's name
+        if fd in self.writers:
+            self.writers.remove(fd)
+
+    def addReader(self, fd: Any) -> None:  # noqa: N802 - Twisted's name
+        pass
+
+    def removeReader(self, fd: Any) -> None:  # noqa: N802 - Twisted's name
+        pass
+
+
+class WriteNowTests(SynchronousTestCase):
+    """A TCP transport with nothing queued sends at once; otherwise Twisted queues."""
+
+    def setUp(self) -> None:
+        ours, self.peer = socket.socketpair()
+        ours.setblocking(False)
+        self.peer.settimeout(5)
+        self.addCleanup(ours.close)
+        self.addCleanup(self.peer.close)
+        self.reactor = _FDSet()
+        self.transport = tcp.Server(ours, Protocol(), ("127.0.0.1", 1), None, 1, self.reactor)
+        self.transport.connected = True
+
+    def test_sent_without_waiting_for_the_reactor(self) -> None:
+        for name in ("dataBuffer", "_tempDataBuffer", "TLS", "_writeDisconnected", "socket"):
+            self.assertTrue(hasattr(self.transport, name), name)  # what write_now reads
+        write_now(self.transport, b"hello")
+        self.assertEqual(self.peer.recv(100), b"hello")
+        self.assertEqual(self.reactor.writers, [])  # no wake-up needed
+
+    def test_queued_behind_what_twisted_holds(self) -> None:
+        self.transport.write(b"first ")  # Twisted's queue: sent on the next iteration
+        self.assertEqual(self.reactor.writers, [self.transport])
+        write_now(self.transport, b"second")
+        self.assertEqual(self.transport._tempDataBuffer, [b"first ", b"second"])
+
+    def test_what_the_kernel_does_not_take_is_queued(self) -> None:
+        self.transport.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        big = b"x" * (8 << 20)
+        write_now(self.transport, big)
+        queued = b"".join(self.transport._tempDataBuffer)
+        self.assertTrue(0 < len(queued) < len(big))
+        self.assertEqual(self.reactor.writers, [self.transport])
+
+    def test_other_transports_use_their_write(self) -> None:
+        transport = StringTransport()
+        write_now(transport, b"data")
+        self.assertEqual(transport.value(), b"data")
+
+    def test_a_closing_transport_is_left_to_twisted(self) -> None:
+        self.transport.disconnecting = True
+        write_now(self.transport, b"late")
+        self.peer.setblocking(False)
+        with self.assertRaises(BlockingIOError):
+            self.peer.recv(100)
 
 
 class NoPrivateTwistedElsewhereTests(SynchronousTestCase):
