@@ -34,7 +34,10 @@ from rolemesh.errors import ConfigError
 from rolemesh.tls import ClientTLSFiles, ServerTLSFiles, escape_endpoint_value, split_endpoint_description
 
 PLACEHOLDER_PREFIX = "/path/to/"
-BACKENDS = ("auto", "cuda", "rocm", "metal", "sycl", "vulkan", "cpu")
+#: Every device backend (rolemesh.backends); ``backend:`` may also say ``auto``
+#: (resolved by :func:`rolemesh.backends.detect.select_backend`).
+BACKEND_NAMES = ("cuda", "rocm", "metal", "sycl", "vulkan", "cpu")
+BACKENDS = ("auto", *BACKEND_NAMES)
 LOG_FORMATS = ("text", "json")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 SECRET_KEYS = frozenset({"api_key", "api_keys", "dispatcher_token"})

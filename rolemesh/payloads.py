@@ -14,12 +14,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from rolemesh.config import NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
+from rolemesh.supervisor import DeviceState
 
 #: The OpenAI-compatible endpoints the node proxies, plus SSE streaming.
 CAPABILITIES = ("chat.completions", "completions", "embeddings", "streaming")
 
-#: Child states a heartbeat may report for a device.
-DEVICE_STATES = ("stopped", "starting", "ready", "stopping", "failed")
+#: Child states a heartbeat may report for a device: the supervisor's.
+DEVICE_STATES = tuple(state.value for state in DeviceState)
 
 #: The heartbeat body's version.  2 added per device ``slots_total``,
 #: ``slots_busy``, ``slots_free``, ``queue_depth``, ``tokens_per_s``,

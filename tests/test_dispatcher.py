@@ -26,7 +26,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
 from rolemesh import __version__
-from rolemesh.config import ModelConfig, NodeConfig
+from rolemesh.config import BACKEND_NAMES, ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.dispatcher import (
     AUTH,
@@ -49,6 +49,7 @@ from rolemesh.payloads import (
     registration_payload,
 )
 from rolemesh.schemas import load_schema
+from rolemesh.supervisor import DeviceState
 from tests.fake_dispatcher import FakeDispatcher
 
 TOKEN = "tok-9f3c1e2d-very-secret"
@@ -282,6 +283,17 @@ def device_states(draw: Any, now: float) -> dict[str, Any]:
 
 
 class PayloadTests(SynchronousTestCase):
+    def test_the_schemas_name_the_same_sets_as_the_code(self) -> None:
+        """The shipped contract and the code say one thing: the device states
+        are the supervisor's, the backends config.BACKEND_NAMES, the
+        capabilities CAPABILITIES."""
+        registration, heartbeat = load_schema("registration"), load_schema("heartbeat")
+        device = heartbeat["$defs"]["device_state"]["properties"]
+        self.assertEqual(device["state"]["enum"], [str(s) for s in DeviceState])
+        self.assertEqual(list(DEVICE_STATES), [str(s) for s in DeviceState])
+        self.assertEqual(registration["properties"]["backend"]["enum"], list(BACKEND_NAMES))
+        self.assertEqual(registration["properties"]["capabilities"]["items"]["enum"], list(CAPABILITIES))
+
     def test_registration_fields(self) -> None:
         payload = registration_payload(CONFIG, "cpu", DEVICES, "9.9.9")
         REGISTRATION_SCHEMA.validate(payload)
