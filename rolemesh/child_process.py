@@ -47,13 +47,18 @@ ATTEMPT_LINES = 200
 RUNAWAY_LINE = 8192
 #: While stopping, SIGTERM is repeated this often until the grace is over.
 TERM_REPEAT_S = 0.25
-#: While the child serves, its pipes rest this long after each read, so the
-#: lines llama-server prints for many requests arrive in one read: one
-#: reactor wake-up instead of three or four per request (issue 16).
+#: While the child serves, its pipes rest up to this long once they are
+#: drained, so the lines llama-server prints for many requests arrive in one
+#: read: one reactor wake-up instead of three or four per request (issue 16).
 OUTPUT_HOLD_S = 0.1
+#: The shortest rest (a child printing very fast).
+MIN_HOLD_S = 0.005
+#: What one rest should let pile up: a quarter of Linux's default 64 KiB
+#: pipe, so a child that prints fast never blocks on a full pipe (each rest
+#: is sized from the last one's batch: :func:`next_hold`).
+BATCH_BYTES = 16 * 1024
 #: A read this big filled Twisted's read buffer (``fdesc.readFromFD`` reads
-#: 8 KiB at most): more is waiting, so there is no rest after it and a
-#: child that prints a lot is never slowed down by a full pipe.
+#: 8 KiB at most): more is waiting, so reading goes on at once.
 LARGE_READ = 8192
 #: Output that means the child is about to answer; it triggers a probe at once.
 _READY_HINTS = (b"listening on http", b"model loaded", b"all slots are idle")
@@ -75,6 +80,15 @@ def worth_logging(line: bytes, serving: bool) -> bool:
     child only errors: llama-server prints ~9 lines per request, and logging
     each costs more CPU than relaying the request."""
     return not serving or bool(_IMPORTANT.search(line))
+
+
+def next_hold(hold: float, batch: int) -> float:
+    """The next rest of a serving child's pipes, from the last one (``hold``
+    seconds, after which ``batch`` bytes were read): as long as the child
+    takes to print about BATCH_BYTES, within [MIN_HOLD_S, OUTPUT_HOLD_S]."""
+    if batch <= 0:
+        return OUTPUT_HOLD_S
+    return min(OUTPUT_HOLD_S, max(MIN_HOLD_S, hold * BATCH_BYTES / batch))
 
 
 def exit_of(reason: Failure) -> diagnosis.Exit:
@@ -160,6 +174,10 @@ class ChildProcess(ProcessProtocol):
         self._kill_timer: Optional[IDelayedCall] = None
         #: Resumes reading after a hold (see OUTPUT_HOLD_S); None when reading.
         self._resume: Optional[IDelayedCall] = None
+        #: The length of the next hold, and the bytes read since the last one
+        #: ended (None: no hold since the pipes were last drained).
+        self._hold_s = OUTPUT_HOLD_S
+        self._batch: Optional[int] = None
         #: The child serves requests: its output is read in batches.
         self.serving = False
         self._term_deadline = 0.0
@@ -178,23 +196,36 @@ class ChildProcess(ProcessProtocol):
             self._partial[childFD] = b""
         for line in lines:
             self._sink.child_output(self, childFD, line.rstrip(b"\r"))
-        if self.serving and len(data) < LARGE_READ and not self.ended:
-            self._hold()
+        if self.serving and not self.ended:
+            self._batched(len(data))
+
+    def _batched(self, size: int) -> None:
+        """A serving child's read: once its pipes are drained (a read short of
+        LARGE_READ), rest them, for as long as the last batch says."""
+        if self._batch is not None:
+            self._batch += size
+        if size >= LARGE_READ:
+            return
+        if self._batch is not None:
+            self._hold_s = next_hold(self._hold_s, self._batch)
+            self._batch = None
+        self._hold()
 
     def _hold(self) -> None:
-        """Stop reading the pipes for OUTPUT_HOLD_S.  Never longer: the end of
-        the child (processEnded waits for its pipes to close) is seen at most
-        that much later."""
+        """Stop reading the pipes for the hold (OUTPUT_HOLD_S at most: the end
+        of the child -- processEnded waits for its pipes to close -- is seen
+        at most that much later)."""
         if self._resume is not None:
             return
         pause = getattr(self.transport, "pauseProducing", None)
         if pause is None:  # a transport without flow control: read as it comes
             return
         pause()
-        self._resume = self._clock.callLater(OUTPUT_HOLD_S, self._read_again)
+        self._resume = self._clock.callLater(self._hold_s, self._read_again)
 
     def _read_again(self) -> None:
         self._resume = None
+        self._batch = 0
         if self.transport is not None and not self.ended:
             self.transport.resumeProducing()  # type: ignore[attr-defined]
 

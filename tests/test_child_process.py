@@ -6,12 +6,22 @@ from __future__ import annotations
 
 from typing import Any, List, Tuple
 
+from hypothesis import given
+from hypothesis import strategies as st
 from twisted.internet import process
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.child_process import LARGE_READ, OUTPUT_HOLD_S, ChildProcess, OutputRing
+from rolemesh.child_process import (
+    BATCH_BYTES,
+    LARGE_READ,
+    MIN_HOLD_S,
+    OUTPUT_HOLD_S,
+    ChildProcess,
+    OutputRing,
+    next_hold,
+)
 from rolemesh.supervisor import READY, STOPPED
 from tests.fakes import FakeProcess, ProcessReactor
 from tests.test_supervisor import Harness
@@ -82,6 +92,18 @@ class OutputRingTests(SynchronousTestCase):
         self.assertEqual(ring.attempt(), ["l6", "l7", "l8", "l9"])
 
 
+class NextHoldTests(SynchronousTestCase):
+    @given(st.floats(MIN_HOLD_S, OUTPUT_HOLD_S), st.integers(0, 1 << 30), st.integers(0, 1 << 30))
+    def test_bounded_and_shorter_for_bigger_batches(self, hold: float, batch: int, more: int) -> None:
+        short, shorter = next_hold(hold, batch), next_hold(hold, batch + more)
+        self.assertTrue(MIN_HOLD_S <= shorter <= short <= OUTPUT_HOLD_S, (short, shorter))
+
+    def test_a_batch_of_the_target_size_keeps_the_hold(self) -> None:
+        self.assertAlmostEqual(next_hold(0.02, BATCH_BYTES), 0.02)
+        self.assertEqual(next_hold(0.1, 500), OUTPUT_HOLD_S)
+        self.assertAlmostEqual(next_hold(0.1, 4 * BATCH_BYTES), 0.025)
+
+
 class HoldTests(SynchronousTestCase):
     """While serving, a small read is followed by a rest of OUTPUT_HOLD_S."""
 
@@ -122,6 +144,23 @@ class HoldTests(SynchronousTestCase):
         self.transport.output("a\n", fd=1)
         self.transport.output("b\n", fd=2)
         self.assertEqual((self.transport.pauses, len(self.clock.getDelayedCalls())), (1, 1))
+
+    def test_a_child_printing_fast_gets_shorter_holds_and_slow_again_longer(self) -> None:
+        self.child.serving = True
+        self.transport.output("first\n")
+        self.clock.advance(OUTPUT_HOLD_S)  # 64 KiB piled up meanwhile: eight full reads, then a short one
+        for _ in range(8):
+            self.transport.output("y" * (LARGE_READ - 1) + "\n")
+            self.assertFalse(self.transport.paused, "a full read: read on")
+        self.transport.output("tail\n")
+        self.assertTrue(self.transport.paused)
+        [resume] = self.clock.getDelayedCalls()
+        expected = OUTPUT_HOLD_S * BATCH_BYTES / (8 * LARGE_READ + 5)  # about a quarter of the first
+        self.assertAlmostEqual(resume.getTime() - self.clock.seconds(), expected)
+        self.clock.advance(OUTPUT_HOLD_S)
+        self.transport.output("quiet again\n")  # a small batch: back to the longest hold
+        [resume] = self.clock.getDelayedCalls()
+        self.assertAlmostEqual(resume.getTime() - self.clock.seconds(), OUTPUT_HOLD_S)
 
     def test_a_large_read_is_followed_by_the_next_at_once(self) -> None:
         self.child.serving = True
