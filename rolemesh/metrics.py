@@ -28,7 +28,7 @@ metrics bug never breaks a request or a scrape.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -36,7 +36,12 @@ from prometheus_client.registry import Collector
 from twisted.logger import Logger
 
 from rolemesh import __version__
+from rolemesh.config import NodeConfig
 from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, STOPPING
+
+if TYPE_CHECKING:
+    from rolemesh.node import Node
+    from rolemesh.service import NodeAgentService
 
 log = Logger()
 
@@ -82,7 +87,7 @@ SUPERVISOR_COUNTERS: Dict[str, Tuple[str, str]] = {
 }
 
 
-def _number(value: Any) -> Optional[float]:
+def _number(value: object) -> Optional[float]:
     """``value`` as a float if it is a real number (not a bool), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -93,7 +98,7 @@ def _number(value: Any) -> Optional[float]:
 class NodeMetrics:
     """The agent's metrics: observers in, Prometheus text out."""
 
-    _models_of: Any
+    _models_of: Optional[NodeConfig]
     _model_ids: frozenset
 
     @property
@@ -105,7 +110,7 @@ class NodeMetrics:
             self._models_of, self._model_ids = config, frozenset(m.model_id for m in config.models)
         return self._model_ids
 
-    def __init__(self, node: Any, root: Any = None) -> None:
+    def __init__(self, node: Node, root: Optional[NodeAgentService] = None) -> None:
         self.node = node
         self.root = root
         self.registry = CollectorRegistry(auto_describe=False)
@@ -210,14 +215,14 @@ class NodeMetrics:
         except Exception:
             log.failure("metrics: observing {event} failed", event=event)
 
-    def _model(self, model: Any) -> str:
+    def _model(self, model: object) -> str:
         return model if isinstance(model, str) and model in self._models else UNKNOWN
 
-    def _device(self, device: Any) -> Optional[str]:
+    def _device(self, device: object) -> Optional[str]:
         return device if isinstance(device, str) and device in self.node.supervisors else None
 
     @staticmethod
-    def _endpoint(endpoint: Any) -> str:
+    def _endpoint(endpoint: object) -> str:
         if isinstance(endpoint, str):
             name = endpoint.strip("/")
             if name.startswith("v1/"):
@@ -227,19 +232,19 @@ class NodeMetrics:
         return UNKNOWN
 
     @staticmethod
-    def _status(status: Any) -> str:
+    def _status(status: object) -> str:
         if isinstance(status, int) and not isinstance(status, bool) and 100 <= status <= 599:
             return str(status)
         return UNKNOWN
 
     def _on_request(
         self,
-        endpoint: Any = None,
-        model: Any = None,
-        status: Any = None,
-        duration: Any = None,
-        ttfb: Any = None,
-        **_: Any,
+        endpoint: object = None,
+        model: object = None,
+        status: object = None,
+        duration: object = None,
+        ttfb: object = None,
+        **_: object,
     ) -> None:
         model_label = self._model(model)
         endpoint_label = self._endpoint(endpoint)
@@ -251,18 +256,18 @@ class NodeMetrics:
         if first is not None and first >= 0:
             self.request_ttfb.labels(model=model_label, endpoint=endpoint_label).observe(first)
 
-    def _on_queue_full(self, model: Any = None, **_: Any) -> None:
+    def _on_queue_full(self, model: object = None, **_: object) -> None:
         self.queue_full.labels(model=self._model(model)).inc()
 
-    def _on_queue_timeout(self, model: Any = None, **_: Any) -> None:
+    def _on_queue_timeout(self, model: object = None, **_: object) -> None:
         self.queue_timeouts.labels(model=self._model(model)).inc()
 
-    def _on_idle_unload(self, device: Any = None, model: Any = None, **_: Any) -> None:
+    def _on_idle_unload(self, device: object = None, model: object = None, **_: object) -> None:
         name = self._device(device)
         if name is not None:
             self.idle_unloads.labels(device=name, model=self._model(model)).inc()
 
-    def _on_queue_wait(self, device: Any = None, seconds: Any = None, **_: Any) -> None:
+    def _on_queue_wait(self, device: object = None, seconds: object = None, **_: object) -> None:
         name = self._device(device)
         wait = _number(seconds)
         if name is not None and wait is not None:
@@ -270,14 +275,14 @@ class NodeMetrics:
 
     # -- supervisors ---------------------------------------------------------------
 
-    def _count_supervisor_event(self, event: str, device: Any = None, model: Any = None, **_: Any) -> None:
+    def _count_supervisor_event(self, event: str, device: object = None, model: object = None, **_: object) -> None:
         """One of a supervisor's counted events, credited to its model."""
         name = self._device(device)
         if name is not None:
             key = (name, self._model(model), event)
             self._supervisor_counts[key] = self._supervisor_counts.get(key, 0) + 1
 
-    def _on_load(self, device: Any = None, model: Any = None, seconds: Any = None, **_: Any) -> None:
+    def _on_load(self, device: object = None, model: object = None, seconds: object = None, **_: object) -> None:
         """A child became ready: a load, and how long it took."""
         self._count_supervisor_event("load", device, model)
         name, took = self._device(device), _number(seconds)
