@@ -291,7 +291,7 @@ class ChildProcess(ProcessProtocol):
         self._kill_timer = None
 
 
-@attr.s(auto_attribs=True)
+@attr.s(auto_attribs=True, frozen=True)
 class Launcher:
     """How one device's children are started: the binary, the devices they
     are pinned to, the port, the environment and the exec wrapper."""

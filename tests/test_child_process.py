@@ -9,9 +9,11 @@ from typing import Any, List, Tuple
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet import process
+from twisted.internet.interfaces import IProcessProtocol, IProcessTransport, IReactorProcess
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
+from zope.interface.verify import verifyObject
 
 from rolemesh.child_process import (
     BATCH_BYTES,
@@ -90,6 +92,15 @@ class OutputRingTests(SynchronousTestCase):
         for i in range(10):
             ring.append(f"l{i}")
         self.assertEqual(ring.attempt(), ["l6", "l7", "l8", "l9"])
+
+
+class InterfaceTests(SynchronousTestCase):
+    def test_the_child_protocol_and_the_fake_transport_provide_their_interfaces(self) -> None:
+        child = ChildProcess(Sink(), Clock(), "gpu:0")
+        verifyObject(IProcessProtocol, child)
+        transport = PausableReactor().spawnProcess(child, "llama-server")
+        verifyObject(IProcessTransport, transport)
+        verifyObject(IReactorProcess, PausableReactor())
 
 
 class NextHoldTests(SynchronousTestCase):
