@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 import hmac
+import itertools
 import json
 import re
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from klein import Klein
 from twisted.internet import defer
@@ -46,6 +47,17 @@ PROXIED_ROUTES = (("chat/completions", "/v1/chat/completions"), ("completions", 
                   ("embeddings", "/v1/embeddings"))
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _CREATED = int(time.time())
+
+
+def request_ids() -> Iterator[str]:
+    """Request ids for requests that bring none: 32 hex digits, a random
+    64-bit prefix per process and a counter, unique across restarts and
+    nodes as uuid4's are, without ``os.urandom`` per request."""
+    prefix = uuid.uuid4().hex[:16]
+    return (f"{prefix}{n:016x}" for n in itertools.count(1))
+
+
+_request_ids = request_ids()
 
 
 def _json(request: Any, status: int, body: Any) -> bytes:
@@ -376,7 +388,7 @@ class NodeAPI:
 
     def _request_id(self, request: Any) -> str:
         given = (request.getHeader(b"x-request-id") or b"").decode("latin-1")  # bytes: the raw header value
-        rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        rid = given if given and _REQUEST_ID.fullmatch(given) else next(_request_ids)
         request.setHeader(b"x-request-id", rid.encode("ascii"))
         return rid
 

@@ -380,15 +380,17 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
                     400, f"model {model.model_id!r} runs on {', '.join(lanes)}, not on {device}",
                     "invalid_request_error", "device_not_eligible")
             device = holder[0]
-        problem = self.too_large(model)
-        if problem is not None:
-            raise problem
+        fits = self.fits_on(model)
+        if not fits:  # what too_large() checks first: asked only when it can say something
+            problem = self.too_large(model)
+            if problem is not None:
+                raise problem
         need = {}
         for lane in lanes:
             e = self.estimate_for(model, lane)
             if e is not None:
                 need[lane] = e.total_bytes
-        return self.fits_on(model), need, device
+        return fits, need, device
 
     def unload(self, device: str) -> "Deferred[None]":
         """Stop ``device``'s child once the requests ahead of this one are
@@ -421,6 +423,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         """Stop the children of the lanes this ticket's start evicted (a
         device group taking its members, or a member taking its device back
         from the group); fires once they are all reaped."""
+        if not ticket.evict:  # nearly every ticket: no DeferredList for nothing
+            return defer.succeed([])
         stops = []
         for name in ticket.evict:
             self._cancel_idle_timer(name)
