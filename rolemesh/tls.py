@@ -234,7 +234,7 @@ def load_private_key(key: str, path: str) -> Any:
     if b"PRIVATE KEY-----" not in data:
         raise ConfigError(f'{key}: no PEM private key in "{path}"')
     try:
-        return serialization.load_pem_private_key(data, password=None)
+        private_key = serialization.load_pem_private_key(data, password=None)
     except TypeError:
         raise ConfigError(
             f'{key}: "{path}" is encrypted; the agent needs an unencrypted key '
@@ -242,6 +242,15 @@ def load_private_key(key: str, path: str) -> Any:
         ) from None
     except (ValueError, Exception):  # noqa: BLE001 - any parse failure is one line, no key material
         raise ConfigError(f'{key}: "{path}" does not hold a usable PEM private key') from None
+    try:
+        _openssl_key(private_key)  # X25519, X448, DH and newer kinds parse, but TLS here cannot sign with them
+    except TypeError:
+        raise ConfigError(
+            f'{key}: "{path}" holds a key of kind {type(private_key).__name__.replace("PrivateKey", "")}, '
+            "which TLS cannot use here; "
+            "use an RSA, EC or Ed25519 key"
+        ) from None
+    return private_key
 
 
 def _now() -> datetime.datetime:

@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, x25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from hypothesis import given
 from hypothesis import strategies as st
@@ -284,6 +284,15 @@ class FileCheckTests(SynchronousTestCase):
     def test_encrypted_key(self) -> None:
         cert, key = self.pki.issue("locked", password=b"hunter2")
         self.assertIn("is encrypted; the agent needs an unencrypted key", self.error(ServerTLSFiles(cert, key)))
+
+    def test_key_kind_tls_cannot_use(self) -> None:
+        key = os.path.join(self.mktemp() + ".key")
+        with open(key, "wb") as f:
+            f.write(x25519.X25519PrivateKey.generate().private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        self.assertEqual(self.error(ServerTLSFiles(self.cert, key)),
+                         f'tls_key_file: "{key}" holds a key of kind X25519, which TLS cannot use here; '
+                         "use an RSA, EC or Ed25519 key")
 
     def test_bad_client_ca_file(self) -> None:
         self.assertIn("tls_client_ca_file: no PEM certificate",
