@@ -27,7 +27,7 @@ from rolemesh import errors
 from rolemesh.config import NodeConfig
 from rolemesh.events import Events
 from rolemesh.fast_channel import FastRoute
-from rolemesh.node import Node
+from rolemesh.node import Lease, Node
 from rolemesh.proxy import CLIENT_GONE, STALLED, Proxy, UpstreamUnreachable
 from rolemesh.readiness import Readiness
 from rolemesh.reload import ReloadResult
@@ -129,6 +129,29 @@ class _Utf8Guard(Resource):
             return _error(request, errors.ApiError(400, "the URL path or Host header is not valid UTF-8",
                                                    "invalid_request_error", "invalid_url"))
         return self._inner.render(request)
+
+
+class _Record:
+    """What the request log line and the observers say of one proxied request."""
+
+    __slots__ = ("endpoint", "request_id", "started", "model", "device", "status", "ttfb")
+
+    def __init__(self, endpoint: str, request_id: str, started: float) -> None:
+        self.endpoint = endpoint
+        self.request_id = request_id
+        self.started = started
+        self.model: Optional[str] = None
+        self.device: Optional[str] = None
+        self.status = 500
+        self.ttfb: Optional[float] = None
+
+    def first_byte(self) -> None:
+        if self.ttfb is None:
+            self.ttfb = time.monotonic() - self.started
+
+    def fields(self, now: float) -> Dict[str, Any]:
+        return dict(endpoint=self.endpoint, model=self.model, status=self.status, duration=now - self.started,
+                    ttfb=self.ttfb, device=self.device, request_id=self.request_id)
 
 
 class NodeAPI:
@@ -413,12 +436,7 @@ class NodeAPI:
 
     @defer.inlineCallbacks
     def _proxy(self, request: Any, endpoint: str, path: str) -> Any:
-        started = time.monotonic()
-        rid = self._request_id(request)
-        model_id: Optional[str] = None
-        device: Optional[str] = None
-        status = 500
-        first_byte: list = []
+        record = _Record(endpoint, self._request_id(request), time.monotonic())
         try:
             self._authorize(request)
             if self.node.draining:
@@ -426,57 +444,54 @@ class NodeAPI:
             body = self._body(request)
             payload = parse_body(body, self.config.max_request_body_bytes)
             model = self.node.resolve(payload["model"])
-            model_id = model.model_id
-            streaming = payload.get("stream") is True
+            record.model = model.model_id
             lease = yield self.node.acquire(model)
-            device = lease.device
+            record.device = lease.device
             try:
-                forward = functools.partial(
-                    self.proxy.forward,
-                    request,
-                    path=path,
-                    body=body,
-                    streaming=streaming,
-                    timeout=self.config.request_timeout_s,
-                    idle_timeout=self.config.stream_idle_timeout_s,
-                    on_first_byte=lambda: first_byte.append(time.monotonic() - started),
-                )
-                try:
-                    outcome = yield forward(base_url=lease.endpoint.base_url)
-                except UpstreamUnreachable as e:
-                    # Nothing was sent: the child died a moment ago.  The node
-                    # checks it (replaced if it fails) and says where to try once more.
-                    log.warn("llama-server on {device} unreachable ({error}); retrying once",
-                             device=lease.device, error=str(e))
-                    fresh = yield self.node.retry_endpoint(lease)
-                    try:
-                        outcome = yield forward(base_url=fresh.base_url)
-                    except UpstreamUnreachable as again:
-                        raise again.as_api_error() from None
-                if outcome == STALLED:
-                    log.warn("llama-server on {device} went silent for {seconds:g}s mid-answer "
-                             "(stream_idle_timeout_s); answer ended, child probed",
-                             device=lease.device, seconds=self.config.stream_idle_timeout_s)
-                    yield self.node.check_child(lease, "an answer gone silent (stream_idle_timeout_s)")
-            except errors.ApiError as e:
-                if e.code == "upstream_timeout":
-                    yield self.node.check_child(lease, "an upstream timeout")
-                raise
+                outcome = yield self._relay(request, lease, path, body, payload.get("stream") is True, record)
             finally:
                 lease.release()
-            status = request.code
-            if outcome == CLIENT_GONE:
-                status = 499
+            record.status = 499 if outcome == CLIENT_GONE else request.code
             return None
         except errors.ApiError as e:
-            status = e.status
+            record.status = e.status
             raise
         except defer.CancelledError:
-            status = 499
+            record.status = 499
             raise
         finally:
             # Log and observe once the answer is out, not before its last byte.
-            fields = dict(endpoint=endpoint, model=model_id, status=status, duration=time.monotonic() - started,
-                          ttfb=first_byte[0] if first_byte else None, device=device, request_id=rid)
-            request.notifyFinish().addBoth(self._record_later, fields)
+            request.notifyFinish().addBoth(self._record_later, record.fields(time.monotonic()))
+
+    @defer.inlineCallbacks
+    def _relay(self, request: Any, lease: Lease, path: str, body: bytes, streaming: bool, record: "_Record") -> Any:
+        """Forward to the lease's child; once more to a fresh child if it was
+        unreachable; a child that timed out or went silent is checked."""
+        forward = functools.partial(
+            self.proxy.forward, request, path=path, body=body, streaming=streaming,
+            timeout=self.config.request_timeout_s, idle_timeout=self.config.stream_idle_timeout_s,
+            on_first_byte=record.first_byte)
+        try:
+            try:
+                outcome = yield forward(base_url=lease.endpoint.base_url)
+            except UpstreamUnreachable as e:
+                # Nothing was sent: the child died a moment ago.  The node
+                # checks it (replaced if it fails) and says where to try once more.
+                log.warn("llama-server on {device} unreachable ({error}); retrying once",
+                         device=lease.device, error=str(e))
+                fresh = yield self.node.retry_endpoint(lease)
+                try:
+                    outcome = yield forward(base_url=fresh.base_url)
+                except UpstreamUnreachable as again:
+                    raise again.as_api_error() from None
+        except errors.ApiError as e:
+            if e.code == "upstream_timeout":
+                yield self.node.check_child(lease, "an upstream timeout")
+            raise
+        if outcome == STALLED:
+            log.warn("llama-server on {device} went silent for {seconds:g}s mid-answer "
+                     "(stream_idle_timeout_s); answer ended, child probed",
+                     device=lease.device, seconds=self.config.stream_idle_timeout_s)
+            yield self.node.check_child(lease, "an answer gone silent (stream_idle_timeout_s)")
+        return outcome
 
