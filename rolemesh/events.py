@@ -6,11 +6,16 @@ metrics, the node watching its supervisors, a test -- subscribes a callable
 ``observer(event, **fields)``.  An observer that raises is logged and the
 others are still called: a metrics bug never breaks a request or a state
 change.
+
+:class:`Outbox` is what makes a source's events arrive after the change
+that caused them: a state machine queues them during a transition and they
+are run, in order, once the outermost transition has returned.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List
+import collections
+from typing import Any, Callable, Deque, List
 
 from twisted.logger import Logger
 
@@ -50,3 +55,39 @@ class Events:
                 observer(event, **fields)
             except Exception:
                 log.failure("observer of {event} failed", event=event)
+
+
+class Outbox:
+    """Actions queued during transitions, run in order once the outermost
+    transition has ended (synchronously, before it returns to its caller).
+    An action that starts a transition of its own queues behind the rest."""
+
+    def __init__(self) -> None:
+        self._queue: Deque[Callable[[], None]] = collections.deque()
+        self._depth = 0
+        self._running = False
+
+    def enter(self) -> None:
+        self._depth += 1
+
+    def leave(self) -> None:
+        """End a transition; the outermost one runs what was queued."""
+        self._depth -= 1
+        if self._depth == 0:
+            self._run()
+
+    def later(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once the current transition has ended (now if none runs)."""
+        self._queue.append(action)
+        if self._depth == 0:
+            self._run()
+
+    def _run(self) -> None:
+        if self._running or not self._queue:
+            return
+        self._running = True
+        try:
+            while self._queue:
+                self._queue.popleft()()
+        finally:
+            self._running = False

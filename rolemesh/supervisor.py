@@ -31,7 +31,6 @@ the transition that caused it is complete: observers -- the node, the metrics
 
 from __future__ import annotations
 
-import collections
 import enum
 import functools
 import os
@@ -70,7 +69,7 @@ from rolemesh.child_process import (
 )
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceRef
-from rolemesh.events import Events
+from rolemesh.events import Events, Outbox
 from rolemesh.interfaces import IAgentReactor, IDeviceBackend
 from rolemesh.pidfiles import PidFiles
 from rolemesh.reactor import UsesReactor
@@ -141,13 +140,11 @@ def _transition(method: _F) -> _F:
 
     @functools.wraps(method)
     def run(self: "DeviceSupervisor", *args: Any, **kwargs: Any) -> Any:
-        self._depth += 1
+        self._outbox.enter()
         try:
             return method(self, *args, **kwargs)
         finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self._deliver()
+            self._outbox.leave()
 
     return cast(_F, run)
 
@@ -246,9 +243,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self._stop_reason: Optional[DeviceState] = None
         self._closing = False
         #: What a transition has to tell, delivered once it is complete.
-        self._outbox: Deque[Callable[[], None]] = collections.deque()
-        self._depth = 0
-        self._delivering = False
+        self._outbox = Outbox()
 
     # -- telling others ---------------------------------------------------------
 
@@ -262,25 +257,8 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
 
         return self.events.subscribe(on_event)
 
-    def _later(self, action: Callable[[], None]) -> None:
-        self._outbox.append(action)
-        if self._depth == 0:
-            self._deliver()
-
-    def _deliver(self) -> None:
-        """Run what the finished transition queued, in order; anything a
-        listener sets off is queued behind it, not run in the middle."""
-        if self._delivering or not self._outbox:
-            return
-        self._delivering = True
-        try:
-            while self._outbox:
-                self._outbox.popleft()()
-        finally:
-            self._delivering = False
-
     def _emit(self, event: str, **fields: Any) -> None:
-        self._later(functools.partial(self.events.emit, event, **fields))
+        self._outbox.later(functools.partial(self.events.emit, event, **fields))
 
     def _count(self, event: str, **fields: Any) -> None:
         """Count ``event`` (one of COUNTED_EVENTS) here and tell observers."""
@@ -300,7 +278,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
             else:
                 d.callback(result)
 
-        self._later(fire)
+        self._outbox.later(fire)
 
     def _set_state(self, state: DeviceState) -> None:
         if state == self.state:

@@ -6,7 +6,7 @@ from typing import Any, List, Tuple
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.events import Events
+from rolemesh.events import Events, Outbox
 
 
 class EventsTests(SynchronousTestCase):
@@ -57,3 +57,50 @@ class EventsTests(SynchronousTestCase):
         events.emit("x")
         events.emit("y")
         self.assertEqual(seen, ["once", "always", "always"])
+
+
+class OutboxTests(SynchronousTestCase):
+    def test_actions_of_a_transition_run_when_the_outermost_one_ends_in_order(self) -> None:
+        outbox = Outbox()
+        ran: List[str] = []
+        outbox.enter()
+        outbox.later(lambda: ran.append("first"))
+        outbox.enter()  # a nested transition
+        outbox.later(lambda: ran.append("second"))
+        outbox.leave()
+        self.assertEqual(ran, [], "not while the outer transition runs")
+        outbox.leave()
+        self.assertEqual(ran, ["first", "second"])
+
+    def test_outside_a_transition_an_action_runs_at_once(self) -> None:
+        ran: List[str] = []
+        Outbox().later(lambda: ran.append("now"))
+        self.assertEqual(ran, ["now"])
+
+    def test_what_an_action_sets_off_queues_behind_the_rest(self) -> None:
+        outbox = Outbox()
+        ran: List[str] = []
+
+        def first() -> None:
+            ran.append("first")
+            outbox.enter()  # the action calls back into the state machine
+            outbox.later(lambda: ran.append("set off by first"))
+            outbox.leave()
+            ran.append("first done")
+
+        outbox.enter()
+        outbox.later(first)
+        outbox.later(lambda: ran.append("second"))
+        outbox.leave()
+        self.assertEqual(ran, ["first", "first done", "second", "set off by first"])
+
+    def test_an_action_that_raises_leaves_the_rest_for_the_next_transition(self) -> None:
+        outbox = Outbox()
+        ran: List[str] = []
+        outbox.enter()
+        outbox.later(lambda: 1 / 0)  # type: ignore[func-returns-value]
+        outbox.later(lambda: ran.append("kept"))
+        self.assertRaises(ZeroDivisionError, outbox.leave)
+        outbox.enter()
+        outbox.leave()
+        self.assertEqual(ran, ["kept"])
