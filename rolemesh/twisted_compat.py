@@ -67,13 +67,15 @@ def write_now(transport: ITransport, data: bytes) -> None:
     answer a wake-up and two ``epoll_ctl`` calls (measured in
     ``bench/capacity.py``: about a fifth of the agent's CPU per request).
     On a plain, connected TCP transport with an empty buffer (``dataBuffer``,
-    ``_tempDataBuffer``: FileDescriptor's private queue), the bytes go to
+    ``_tempDataBuffer``: FileDescriptor's private queue) that is not being
+    closed or aborted (``_aborting``: an aborted connection must drop what
+    is written after the abort, as Twisted's own write does), the bytes go to
     ``send`` now; whatever the kernel does not take, and every other
     transport (TLS, tests' fakes), goes through ``transport.write`` as usual,
     so ordering, producers and errors stay Twisted's.
     """
     if (type(transport) in _PLAIN_TCP and transport.connected and not transport.disconnecting  # type: ignore[attr-defined]
-            and not transport.TLS and not transport._writeDisconnected  # type: ignore[attr-defined]
+            and not transport.TLS and not transport._writeDisconnected and not transport._aborting  # type: ignore[attr-defined]
             and not transport.dataBuffer and not transport._tempDataBuffer):  # type: ignore[attr-defined]
         try:
             sent = transport.socket.send(data)  # type: ignore[attr-defined]

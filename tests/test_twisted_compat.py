@@ -165,6 +165,7 @@ class _FDSet:
 
     def __init__(self) -> None:
         self.writers: List[Any] = []
+        self.calls: List[Any] = []
 
     def addWriter(self, fd: Any) -> None:  # noqa: N802 - Twisted's name
         self.writers.append(fd)
@@ -172,6 +173,9 @@ class _FDSet:
     def removeWriter(self, fd: Any) -> None:  # noqa: N802 - Twisted's name
         if fd in self.writers:
             self.writers.remove(fd)
+
+    def callLater(self, delay: float, f: Any, *args: Any) -> None:  # noqa: N802 - Twisted's name
+        self.calls.append((delay, f, args))
 
     def addReader(self, fd: Any) -> None:  # noqa: N802 - Twisted's name
         pass
@@ -196,6 +200,7 @@ class WriteNowTests(SynchronousTestCase):
     def test_sent_without_waiting_for_the_reactor(self) -> None:
         for name in ("dataBuffer", "_tempDataBuffer", "TLS", "_writeDisconnected", "socket"):
             self.assertTrue(hasattr(self.transport, name), name)  # what write_now reads
+        self.assertFalse(self.transport._aborting)
         write_now(self.transport, b"hello")
         self.assertEqual(self.peer.recv(100), b"hello")
         self.assertEqual(self.reactor.writers, [])  # no wake-up needed
@@ -218,6 +223,14 @@ class WriteNowTests(SynchronousTestCase):
         transport = StringTransport()
         write_now(transport, b"data")
         self.assertEqual(transport.value(), b"data")
+
+    def test_an_aborted_transport_sends_nothing_more(self) -> None:
+        self.transport.abortConnection()  # Twisted drops whatever is written after this
+        write_now(self.transport, b"terminator")
+        self.peer.setblocking(False)
+        with self.assertRaises(BlockingIOError):
+            self.peer.recv(100)
+        self.reactor.calls[0][1](*self.reactor.calls[0][2])  # the abort's connectionLost
 
     def test_a_closing_transport_is_left_to_twisted(self) -> None:
         self.transport.disconnecting = True
