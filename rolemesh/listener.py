@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError
 from twisted.internet.endpoints import TCP4ServerEndpoint, serverFromString
+from twisted.internet.interfaces import IOpenSSLServerConnectionCreator
 from twisted.logger import Logger
 from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
 from twisted.python.failure import Failure
@@ -28,6 +29,8 @@ from twisted.web.server import Request, Site
 
 from rolemesh.errors import ApiError
 from rolemesh.fast_channel import FastChannel, FastRoute, HttpDate
+from rolemesh.interfaces import IAgentReactor
+from rolemesh.reactor import resolve_reactor
 
 log = Logger()
 
@@ -267,7 +270,8 @@ class EndpointListener(Service):
 
 
 def listening_service(site: Site, *, host: str, port: int, endpoint: Optional[str] = None,
-                      tls: Any = None, reactor: Any = None) -> Any:
+                      tls: Optional[IOpenSSLServerConnectionCreator] = None,
+                      reactor: Optional[IAgentReactor] = None) -> EndpointListener:
     """The service that listens for ``site``.
 
     ``endpoint`` is a Twisted server endpoint description (``tcp6:...``,
@@ -275,11 +279,8 @@ def listening_service(site: Site, *, host: str, port: int, endpoint: Optional[st
     is an ``IOpenSSLServerConnectionCreator`` (:class:`rolemesh.tls.ServerTLS`)
     that wraps every connection in TLS, whatever the endpoint.
     """
+    reactor = resolve_reactor(reactor)
     factory: Any = site if tls is None else _TLSSiteFactory(tls, False, site, clock=reactor)
-    if reactor is None:
-        from twisted.internet import reactor as global_reactor
-
-        reactor = global_reactor
     if endpoint is None:
         return EndpointListener(TCP4ServerEndpoint(reactor, port, interface=host), factory)
     return EndpointListener(serverFromString(reactor, endpoint), factory)

@@ -35,7 +35,7 @@ class ResolveTests(SynchronousTestCase):
 
     def test_the_lookup_lives_in_one_module(self) -> None:
         """Library code asks rolemesh.reactor; only the entry point (cli.py,
-        which runs the reactor) and listener.py (not yet moved) import it."""
+        which runs the reactor) imports it."""
         found = set()
         for folder, _, files in os.walk(os.path.join(ROOT, "rolemesh")):
             for name in files:
@@ -44,7 +44,7 @@ class ResolveTests(SynchronousTestCase):
                     with open(path, encoding="utf-8") as f:
                         if GLOBAL_IMPORT.search(f.read()):
                             found.add(os.path.relpath(path, ROOT))
-        self.assertEqual(found, {"rolemesh/reactor.py", "rolemesh/cli.py", "rolemesh/listener.py"})
+        self.assertEqual(found, {"rolemesh/reactor.py", "rolemesh/cli.py"})
 
 
 class ReactorInterfaceTests(SynchronousTestCase):
