@@ -75,6 +75,19 @@ def announces_ready(line: bytes) -> bool:
     return any(hint in line for hint in _READY_HINTS)
 
 
+#: Does any line of a read match _IMPORTANT?  (A prefilter over the whole
+#: read: it can say yes when no one line matches, never no when one does.)
+_IMPORTANT_ANYWHERE = re.compile(_IMPORTANT.pattern, re.IGNORECASE | re.MULTILINE)
+
+
+def to_log(lines: List[bytes], serving: bool) -> List[int]:
+    """Which of one read's lines go to the log (see :func:`worth_logging`),
+    searching the read once instead of each line."""
+    if serving and not _IMPORTANT_ANYWHERE.search(b"\n".join(lines)):
+        return []
+    return [i for i, line in enumerate(lines) if worth_logging(line, serving)]
+
+
 def worth_logging(line: bytes, serving: bool) -> bool:
     """Every line of a start and a stop goes to the log, but from a serving
     child only errors: llama-server prints ~9 lines per request, and logging
@@ -129,6 +142,10 @@ class OutputRing:
         self.lines.append(text)
         self._appended += 1
 
+    def extend(self, texts: List[str]) -> None:
+        self.lines.extend(texts)
+        self._appended += len(texts)
+
     def new_attempt(self) -> None:
         """Lines from now on belong to a new start attempt."""
         self._attempt_from = self._appended
@@ -151,8 +168,10 @@ class ChildSink(Protocol):
     def child_progressed(self, child: "ChildProcess") -> None:
         """The child printed something (even half a line)."""
 
-    def child_output(self, child: "ChildProcess", fd: int, line: bytes) -> None:
-        """One line of the child's stdout (1) or stderr (2), without its newline."""
+    def child_output(self, child: "ChildProcess", fd: int, lines: List[bytes]) -> None:
+        """The complete lines of one read of the child's stdout (1) or stderr
+        (2), without their newlines (one call per read: a serving child
+        prints ~27 lines per request)."""
 
     def child_ended(self, child: "ChildProcess", reason: Failure) -> None:
         """The child has exited and its pipes are closed."""
@@ -194,8 +213,10 @@ class ChildProcess(ProcessProtocol):
         if len(self._partial[childFD]) > RUNAWAY_LINE:  # a runaway line: keep it, bounded
             lines.append(self._partial[childFD])
             self._partial[childFD] = b""
-        for line in lines:
-            self._sink.child_output(self, childFD, line.rstrip(b"\r"))
+        if lines:
+            if b"\r" in buffered:
+                lines = [line.rstrip(b"\r") for line in lines]
+            self._sink.child_output(self, childFD, lines)
         if self.serving and not self.ended:
             self._batched(len(data))
 
@@ -247,7 +268,7 @@ class ChildProcess(ProcessProtocol):
         self._resume = None
         for fd, rest in self._partial.items():
             if rest:
-                self._sink.child_output(self, fd, rest)
+                self._sink.child_output(self, fd, [rest])
         self._sink.child_ended(self, reason)
 
     # -- stopping ---------------------------------------------------------------------

@@ -64,7 +64,7 @@ from rolemesh.child_process import (
     announces_ready,
     exit_of,
     pick_free_port,
-    worth_logging,
+    to_log,
     wrap_argv,
 )
 from rolemesh.config import ModelConfig, NodeConfig
@@ -549,14 +549,17 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         if child is self._child and self._watch is not None:
             self._watch.progressed()
 
-    def child_output(self, child: ChildProcess, fd: int, line: bytes) -> None:
-        text = line.decode("utf-8", "replace")
-        self.output.append(text)
-        # Every line goes to the ring buffer (the logs endpoint, error tails).
-        if worth_logging(line, serving=self.state == READY):
+    def child_output(self, child: ChildProcess, fd: int, lines: List[bytes]) -> None:
+        # Every line goes to the ring buffer (the logs endpoint, error tails);
+        # decoded at once (a newline is never inside a UTF-8 sequence).
+        texts = b"\n".join(lines).decode("utf-8", "replace").split("\n")
+        self.output.extend(texts)
+        logged = to_log(lines, serving=self.state == READY)
+        if logged:
             model = self.model.model_id if self.model else None
-            log.info("{device} {model}: {line}", device=self.name, model=model, line=text, stream=fd)
-        if child is self._child and self._watch is not None and announces_ready(line):
+            for i in logged:
+                log.info("{device} {model}: {line}", device=self.name, model=model, line=texts[i], stream=fd)
+        if child is self._child and self._watch is not None and any(announces_ready(line) for line in lines):
             self._watch.poke()
 
     def _record_failure(self, load: bool = False) -> float:

@@ -23,6 +23,8 @@ from rolemesh.child_process import (
     ChildProcess,
     OutputRing,
     next_hold,
+    to_log,
+    worth_logging,
 )
 from rolemesh.supervisor import READY, STOPPED
 from tests.fakes import FakeProcess, ProcessReactor
@@ -66,8 +68,8 @@ class Sink:
     def child_progressed(self, child: ChildProcess) -> None:
         self.progress += 1
 
-    def child_output(self, child: ChildProcess, fd: int, line: bytes) -> None:
-        self.lines.append((fd, line))
+    def child_output(self, child: ChildProcess, fd: int, lines: List[bytes]) -> None:
+        self.lines.extend((fd, line) for line in lines)
 
     def child_ended(self, child: ChildProcess, reason: Failure) -> None:
         self.ended.append(reason)
@@ -241,3 +243,20 @@ class SupervisorHoldTests(SynchronousTestCase):
         child.exit(signal=11)
         self.assertEqual(h.sup.crashes, 1)
         self.assertEqual(h.reactor.getDelayedCalls(), [])
+
+
+class ToLogTests(SynchronousTestCase):
+    """One search over a read picks the same lines as checking each line."""
+
+    @given(st.lists(st.one_of(st.binary(max_size=40), st.sampled_from(
+        [b"0.00.005.256 E srv  error", b"  1.2 E x", b"slot launch", b"ERROR here", b"abort", b"\t", b"", b"a\rb",
+         b"0.1 W warning"])), max_size=12), st.booleans())
+    def test_same_lines_as_one_by_one(self, lines: List[bytes], serving: bool) -> None:
+        lines = [line.replace(b"\n", b" ") for line in lines]  # a read's lines hold no newline
+        self.assertEqual(to_log(lines, serving), [i for i, line in enumerate(lines) if worth_logging(line, serving)])
+
+    def test_a_serving_childs_request_lines_are_not_logged(self) -> None:
+        lines = [b"srv  log_server_r: request: POST /v1/chat/completions 127.0.0.1 200", b"slot release: id 0"]
+        self.assertEqual(to_log(lines, serving=True), [])
+        self.assertEqual(to_log(lines + [b"0.00.1 E boom"], serving=True), [2])
+        self.assertEqual(to_log(lines, serving=False), [0, 1])
