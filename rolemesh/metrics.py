@@ -121,6 +121,8 @@ class NodeMetrics:
         self._node_families()
         #: (device, model, event of SUPERVISOR_COUNTERS) -> count since start.
         self._supervisor_counts: Dict[Tuple[str, str, str], float] = {}
+        #: Labelled children of the per-request metrics (see _labelled).
+        self._children: Dict[Tuple[Any, ...], Any] = {}
         self._handlers: Dict[str, Callable[..., None]] = {
             "request": self._on_request,
             "queue_full": self._on_queue_full,
@@ -237,6 +239,16 @@ class NodeMetrics:
             return str(status)
         return UNKNOWN
 
+    def _labelled(self, metric: Any, **labels: str) -> Any:
+        """``metric.labels(**labels)``, kept: prometheus_client checks and
+        locks on every call, and the label values here are a small fixed set
+        (known models and endpoints, status codes), never removed."""
+        key = (metric, *labels.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**labels)
+        return child
+
     def _on_request(
         self,
         endpoint: object = None,
@@ -248,13 +260,13 @@ class NodeMetrics:
     ) -> None:
         model_label = self._model(model)
         endpoint_label = self._endpoint(endpoint)
-        self.requests.labels(model=model_label, endpoint=endpoint_label, status=self._status(status)).inc()
+        self._labelled(self.requests, model=model_label, endpoint=endpoint_label, status=self._status(status)).inc()
         seconds = _number(duration)
         if seconds is not None and seconds >= 0:
-            self.request_duration.labels(model=model_label, endpoint=endpoint_label).observe(seconds)
+            self._labelled(self.request_duration, model=model_label, endpoint=endpoint_label).observe(seconds)
         first = _number(ttfb)
         if first is not None and first >= 0:
-            self.request_ttfb.labels(model=model_label, endpoint=endpoint_label).observe(first)
+            self._labelled(self.request_ttfb, model=model_label, endpoint=endpoint_label).observe(first)
 
     def _on_queue_full(self, model: object = None, **_: object) -> None:
         self.queue_full.labels(model=self._model(model)).inc()
@@ -271,7 +283,7 @@ class NodeMetrics:
         name = self._device(device)
         wait = _number(seconds)
         if name is not None and wait is not None:
-            self.queue_wait.labels(device=name).observe(max(0.0, wait))
+            self._labelled(self.queue_wait, device=name).observe(max(0.0, wait))
 
     # -- supervisors ---------------------------------------------------------------
 
