@@ -250,7 +250,8 @@ class ToLogTests(SynchronousTestCase):
 
     @given(st.lists(st.one_of(st.binary(max_size=40), st.sampled_from(
         [b"0.00.005.256 E srv  error", b"  1.2 E x", b"slot launch", b"ERROR here", b"abort", b"\t", b"", b"a\rb",
-         b"0.1 W warning"])), max_size=12), st.booleans())
+         b"0.1 W warning", b"3 e lower", b"GGML_ASSERT(x) failed", b"Aborted (core dumped)", b"1.0 E"])),
+        max_size=12), st.booleans())
     def test_same_lines_as_one_by_one(self, lines: List[bytes], serving: bool) -> None:
         lines = [line.replace(b"\n", b" ") for line in lines]  # a read's lines hold no newline
         self.assertEqual(to_log(lines, serving), [i for i, line in enumerate(lines) if worth_logging(line, serving)])
