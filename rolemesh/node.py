@@ -125,6 +125,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         self.draining = False
         self._drained: List[Deferred] = []
         self._idle_timers: Dict[str, IDelayedCall] = {}
+        #: device -> (config, model) that _retire_if_removed found still wanted.
+        self._kept: Dict[str, Tuple[NodeConfig, str]] = {}
         self._inference_timers: Dict[str, IDelayedCall] = {}
         self._metrics_interval = metrics_interval
         self._metrics_loop: Optional[LoopingCall] = None
@@ -622,8 +624,12 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         held = supervisor.loading_or_loaded
         if held is None:
             return False
+        kept = self._kept.get(device)
+        if kept is not None and kept[0] is self.config and kept[1] == held:
+            return False  # already found still wanted under this config (asked after every request)
         current = next((m for m in self.config.models if m.model_id == held), None)
         if current is not None and device in self.lanes_for(current):
+            self._kept[device] = (self.config, held)
             return False
         why = "removed from the configuration" if current is None else "moved to other devices"
         log.info("unloading {model} from {device}: {why}", model=held, device=device, why=why)

@@ -287,6 +287,8 @@ class Scheduler:
         """Pump ``first``, then every lane, until nothing more can start: an
         event on one lane can unblock the lanes that share its devices."""
         progress = self._pump(first)
+        if not self.overlaps[first.name]:
+            return  # no lane shares its devices: nothing else is unblocked by it
         while True:
             for book in list(self.devices.values()):
                 progress = self._pump(book) or progress
