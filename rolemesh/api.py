@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 from klein import Klein
 from twisted.internet import defer
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
@@ -129,6 +130,12 @@ class _Utf8Guard(Resource):
             return _error(request, errors.ApiError(400, "the URL path or Host header is not valid UTF-8",
                                                    "invalid_request_error", "invalid_url"))
         return self._inner.render(request)
+
+
+def _passing(result: Any, then: Callable[[], None]) -> Any:
+    """``then()``, whatever ``result`` (a Deferred's ``finally``)."""
+    then()
+    return result
 
 
 class _Record:
@@ -434,8 +441,10 @@ class NodeAPI:
         observed = {k: v for k, v in fields.items() if k not in ("device", "request_id")}
         self.events.emit("request", **observed)
 
-    @defer.inlineCallbacks
-    def _proxy(self, request: Any, endpoint: str, path: str) -> Any:
+    def _proxy(self, request: Any, endpoint: str, path: str) -> "defer.Deferred[Optional[bytes]]":
+        """Check, place and relay one request; the explicit callbacks below
+        are its steps (this runs for every inference request: a generator
+        per request cost more than the rest of the agent's own work)."""
         record = _Record(endpoint, self._request_id(request), time.monotonic())
         try:
             self._authorize(request)
@@ -445,53 +454,71 @@ class NodeAPI:
             payload = parse_body(body, self.config.max_request_body_bytes)
             model = self.node.resolve(payload["model"])
             record.model = model.model_id
-            lease = yield self.node.acquire(model)
-            record.device = lease.device
-            try:
-                outcome = yield self._relay(request, lease, path, body, payload.get("stream") is True, record)
-            finally:
-                lease.release()
-            record.status = 499 if outcome == CLIENT_GONE else request.code
-            return None
-        except errors.ApiError as e:
-            record.status = e.status
-            raise
-        except defer.CancelledError:
-            record.status = 499
-            raise
-        finally:
-            # Log and observe once the answer is out, not before its last byte.
-            request.notifyFinish().addBoth(self._record_later, record.fields(time.monotonic()))
+            d = self.node.acquire(model)
+        except Exception:
+            d = defer.fail()
+        else:
+            d.addCallback(self._acquired, request, path, body, payload.get("stream") is True, record)
+        return d.addBoth(self._proxied, request, record)  # type: ignore[no-any-return]
 
-    @defer.inlineCallbacks
-    def _relay(self, request: Any, lease: Lease, path: str, body: bytes, streaming: bool, record: "_Record") -> Any:
+    def _acquired(self, lease: Lease, request: Any, path: str, body: bytes, streaming: bool,
+                  record: "_Record") -> "defer.Deferred[str]":
+        record.device = lease.device
+        d = self._relay(request, lease, path, body, streaming, record)
+        return d.addBoth(_passing, lease.release)
+
+    def _proxied(self, result: Any, request: Any, record: "_Record") -> Any:
+        """How it ended, for the record; logged and observed once the answer is out."""
+        if isinstance(result, Failure):
+            if isinstance(result.value, errors.ApiError):
+                record.status = result.value.status
+            elif result.check(defer.CancelledError):
+                record.status = 499
+        else:
+            record.status = 499 if result == CLIENT_GONE else request.code
+            result = None
+        request.notifyFinish().addBoth(self._record_later, record.fields(time.monotonic()))
+        return result
+
+    def _relay(self, request: Any, lease: Lease, path: str, body: bytes, streaming: bool,
+               record: "_Record") -> "defer.Deferred[str]":
         """Forward to the lease's child; once more to a fresh child if it was
         unreachable; a child that timed out or went silent is checked."""
         forward = functools.partial(
             self.proxy.forward, request, path=path, body=body, streaming=streaming,
             timeout=self.config.request_timeout_s, idle_timeout=self.config.stream_idle_timeout_s,
             on_first_byte=record.first_byte)
+        d = forward(base_url=lease.endpoint.base_url)
+        d.addCallbacks(self._answered, self._not_answered, callbackArgs=(lease,), errbackArgs=(lease, forward))
+        return d
+
+    def _answered(self, outcome: str, lease: Lease) -> Any:
+        if outcome != STALLED:
+            return outcome
+        log.warn("llama-server on {device} went silent for {seconds:g}s mid-answer "
+                 "(stream_idle_timeout_s); answer ended, child probed",
+                 device=lease.device, seconds=self.config.stream_idle_timeout_s)
+        return self.node.check_child(lease, "an answer gone silent (stream_idle_timeout_s)").addCallback(
+            lambda _: outcome)
+
+    @defer.inlineCallbacks
+    def _not_answered(self, failure: Any, lease: Lease, forward: Callable[..., Any]) -> Any:
+        """The rare path: no answer from the child (retried once), or none in time."""
         try:
+            if not failure.check(UpstreamUnreachable):
+                failure.raiseException()
+            # Nothing was sent: the child died a moment ago.  The node
+            # checks it (replaced if it fails) and says where to try once more.
+            log.warn("llama-server on {device} unreachable ({error}); retrying once",
+                     device=lease.device, error=str(failure.value))
+            fresh = yield self.node.retry_endpoint(lease)
             try:
-                outcome = yield forward(base_url=lease.endpoint.base_url)
-            except UpstreamUnreachable as e:
-                # Nothing was sent: the child died a moment ago.  The node
-                # checks it (replaced if it fails) and says where to try once more.
-                log.warn("llama-server on {device} unreachable ({error}); retrying once",
-                         device=lease.device, error=str(e))
-                fresh = yield self.node.retry_endpoint(lease)
-                try:
-                    outcome = yield forward(base_url=fresh.base_url)
-                except UpstreamUnreachable as again:
-                    raise again.as_api_error() from None
+                outcome = yield forward(base_url=fresh.base_url)
+            except UpstreamUnreachable as again:
+                raise again.as_api_error() from None
         except errors.ApiError as e:
             if e.code == "upstream_timeout":
                 yield self.node.check_child(lease, "an upstream timeout")
             raise
-        if outcome == STALLED:
-            log.warn("llama-server on {device} went silent for {seconds:g}s mid-answer "
-                     "(stream_idle_timeout_s); answer ended, child probed",
-                     device=lease.device, seconds=self.config.stream_idle_timeout_s)
-            yield self.node.check_child(lease, "an answer gone silent (stream_idle_timeout_s)")
-        return outcome
+        return (yield self._answered(outcome, lease))
 

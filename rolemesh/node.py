@@ -458,6 +458,16 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         self._cancel_inference_probe(supervisor.name)
         self._emit("queue_wait", device=supervisor.name, model=request.model.model_id,
                    seconds=self.reactor.seconds() - request.queued_at)
+        if not ticket.evict:
+            endpoint = supervisor.serving(request.model)
+            if endpoint is not None:  # nearly every request: the child is ready, no Deferred to wait on
+                lease = Lease(ticket, endpoint, supervisor, self._release)
+                if request.result.called:  # cancelled meanwhile
+                    lease.release()
+                else:
+                    request.result.callback(lease)
+                return
+
         def load(result: Any) -> Any:
             if request.cancelled or request.result.called:  # gone while the evicted children stopped
                 return Failure(defer.CancelledError())

@@ -119,11 +119,12 @@ def sse_error_event(message: str) -> bytes:
 
 
 class _Relay(Protocol):
-    """Copies an upstream body to the downstream request as it arrives."""
+    """Copies an upstream body to the downstream request as it arrives;
+    tells ``ended(whole)`` how the body ended."""
 
-    def __init__(self, request: Any, finished: Deferred, on_data: Callable[[], None]) -> None:
+    def __init__(self, request: Any, ended: Callable[[bool], None], on_data: Callable[[], None]) -> None:
         self._request = request
-        self._finished = finished
+        self._ended = ended
         self._on_data = on_data
 
     def connectionMade(self) -> None:
@@ -143,8 +144,7 @@ class _Relay(Protocol):
             self._request.unregisterProducer()
         except Exception:
             pass
-        # A bool, never the Failure: callback(Failure) would be an errback.
-        self._finished.callback(bool(reason.check(ResponseDone, PotentialDataLoss)))
+        self._ended(bool(reason.check(ResponseDone, PotentialDataLoss)))
 
 
 class _Forward:
@@ -170,6 +170,7 @@ class _Forward:
         self.result: Deferred = Deferred(self._cancel)
         self.relay: Optional[_Relay] = None
         self.event_stream = False
+        self.body_ended = False
         self.cancelled = False
         #: Which deadline passed: None, "request" or "idle".
         self.expired: Optional[str] = None
@@ -178,15 +179,17 @@ class _Forward:
         self._upstream: Optional[Deferred] = None
 
     def start(self) -> "Deferred[str]":
-        clock = self.proxy.reactor
         if self.timeout is not None:
-            self._deadline = clock.callLater(self.timeout, self._expire, "request")
-        self._upstream = self.proxy._send(self.url, self.body, fresh=False)
-        self._upstream.addErrback(self._retry_stale)
-        self._upstream.addCallback(self._got_response).addCallbacks(self._relayed, self._failed)
-        self._upstream.addBoth(self._stop_timers)
-        self._upstream.addErrback(lambda f: log.failure("proxy bookkeeping failed", f))
+            self._deadline = self.proxy.reactor.callLater(self.timeout, self._expire, "request")
+        self._send(fresh=False)
         return self.result
+
+    def _send(self, fresh: bool) -> None:
+        """Send the request: on a pooled connection, or (``fresh``) on one of
+        its own -- the one retry, after a pooled connection turned out stale."""
+        self._upstream = self.proxy._send(self.url, self.body, fresh=fresh)
+        self._upstream.addCallbacks(self._got_response, self._send_failed, errbackArgs=(fresh,))
+        self._upstream.addErrback(self._bug)
 
     # -- deadlines ---------------------------------------------------------------
 
@@ -207,12 +210,11 @@ class _Forward:
         if self._idle is not None and self._idle.active():
             self._idle.reset(self.idle_timeout)
 
-    def _stop_timers(self, passthrough: Any = None) -> Any:
+    def _stop_timers(self) -> None:
         for timer in (self._deadline, self._idle):
             if timer is not None and timer.active():
                 timer.cancel()
         self._deadline = self._idle = None
-        return passthrough
 
     # -- the exchange -------------------------------------------------------------
 
@@ -226,24 +228,36 @@ class _Forward:
         elif self._upstream is not None:
             self._upstream.cancel()  # also reaches a Deferred it is chained to
 
-    def _retry_stale(self, failure: Failure) -> Any:
-        if _never_sent(failure) and not self.result.called and not self.cancelled and self.expired is None:
+    def _send_failed(self, failure: Failure, fresh: bool) -> None:
+        if (not fresh and _never_sent(failure) and not self.result.called and not self.cancelled
+                and self.expired is None):
             # The pooled connection was stale (llama-server closes after each
             # stream): once more on a fresh connection of its own, leaving
             # other children's pooled connections alone.
             log.debug("retrying on a fresh connection after {error}", error=failure.value)
-            return self.proxy._send(self.url, self.body, fresh=True)
-        return failure
+            self._send(fresh=True)
+            return
+        self._stop_timers()
+        self._failed(failure)
 
-    def _got_response(self, response: IResponse) -> "Deferred[bool]":
+    def _bug(self, failure: Failure) -> None:
+        """A bug in handling the answer: logged, and the request still ends."""
+        log.failure("proxy bookkeeping failed", failure)
+        self._stop_timers()
+        self._failed(failure)
+
+    def _body_ended(self, whole: bool) -> None:
+        self.body_ended = True
+        self._stop_timers()
+        self._relayed(whole)
+
+    def _got_response(self, response: IResponse) -> None:
         request = self.request
         if self.streaming and self._deadline is not None:
             # A stream has begun: from now on only silences are bounded.
             if self._deadline.active():
                 self._deadline.cancel()
             self._deadline = None
-        if self.idle_timeout is not None:
-            self._idle = self.proxy.reactor.callLater(self.idle_timeout, self._expire, "idle")
         request.setResponseCode(response.code, response.phrase)
         for name, values in response.headers.getAllRawHeaders():
             if name.lower() not in HOP_HEADERS:
@@ -255,10 +269,11 @@ class _Forward:
             request.responseHeaders.removeHeader(b"content-length")
             request.setHeader(b"x-accel-buffering", b"no")
             request.setHeader(b"cache-control", b"no-cache")
-        finished: Deferred = Deferred()  # fires True (whole body) or False (cut off)
-        self.relay = _Relay(request, finished, self._on_data)
+        self.relay = _Relay(request, self._body_ended, self._on_data)
         response.deliverBody(self.relay)
-        return finished
+        if self.idle_timeout is not None and not self.body_ended:
+            # Not for an answer that came whole with its head (most non-streamed ones).
+            self._idle = self.proxy.reactor.callLater(self.idle_timeout, self._expire, "idle")
 
     def _relayed(self, whole: bool) -> None:
         if self.result.called:

@@ -242,6 +242,8 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self._ready_at: Optional[float] = None
         self._stop_reason: Optional[DeviceState] = None
         self._closing = False
+        #: The last endpoint built, with what it was built from (see endpoint).
+        self._endpoint: Optional[Tuple[Tuple[str, int, int, int], ChildEndpoint]] = None
         #: What a transition has to tell, delivered once it is complete.
         self._outbox = Outbox()
 
@@ -299,9 +301,12 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
     def endpoint(self) -> Optional[ChildEndpoint]:
         if self.state != READY or self.model is None or self.port is None:
             return None
-        return ChildEndpoint(
-            self.model.model_id, f"http://127.0.0.1:{self.port}", self.port, self.pid or 0, self.generation
-        )
+        key = (self.model.model_id, self.port, self.pid or 0, self.generation)
+        cached = self._endpoint
+        if cached is None or cached[0] != key:  # asked for every request: built once per child
+            endpoint = ChildEndpoint(key[0], f"http://127.0.0.1:{self.port}", self.port, key[2], self.generation)
+            cached = self._endpoint = (key, endpoint)
+        return cached[1]
 
     @property
     def loading_or_loaded(self) -> Optional[str]:
@@ -332,6 +337,14 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         return self.output.tail(lines)
 
     # -- the public verbs ------------------------------------------------------
+
+    def serving(self, model: ModelConfig) -> Optional[ChildEndpoint]:
+        """The endpoint of a ready child serving ``model`` now, else None
+        (what :meth:`ensure` fires with at once, without a Deferred)."""
+        current = self.model
+        if self._closing or current is None or (current is not model and current != model):
+            return None
+        return self.endpoint
 
     @_transition
     def ensure(self, model: ModelConfig) -> "Deferred[ChildEndpoint]":
