@@ -150,6 +150,7 @@ def run(config: NodeConfig, config_paths: Tuple[Optional[str], Optional[str]] = 
     agent_reactor = cast(IAgentReactor, reactor)
     service = make_service(config, reactor=agent_reactor, config_paths=config_paths,  # ConfigError: exit 2
                            reload_overrides=overrides)
+    service.freeze_heap = True
     globalLogBeginner.beginLoggingTo([make_observer(config.log_format, sys.stderr)], redirectStandardIO=False)
     failed: List[BaseException] = []
 

@@ -24,6 +24,7 @@ which installs the reactor's own handlers over anything installed earlier.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import signal
@@ -91,6 +92,16 @@ def kernel_state(pid: Optional[int]) -> str:
     except OSError:
         pass
     return "unknown"
+
+
+def freeze_heap() -> None:
+    """Exempt everything start-up built (modules, config, the service tree:
+    ~100k objects that live as long as the process) from the cyclic garbage
+    collector.  Each request allocates a few dozen short-lived objects, so
+    collections are frequent, and every one of them scanned those too: ~13%
+    of the agent's own CPU per request (bench/capacity.py, docs/performance.md)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _exit_now(status: int) -> None:
@@ -171,6 +182,9 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
         self._overdue: Optional[IDelayedCall] = None
         #: Called with the exit status when the shutdown deadline passes.
         self.hard_exit: Callable[[int], None] = _exit_now
+        #: Set by the entry points (not in tests): once running, move what
+        #: start-up built out of the garbage collector's sight (gc.freeze).
+        self.freeze_heap = False
 
     def privilegedStartService(self) -> None:  # noqa: N802 - Twisted's name
         """twistd's first call, where the port is bound: a port that cannot be
@@ -206,6 +220,8 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
         # own handlers when it starts, over ours.
         self._when_running(self._install_signal_handlers)
         self._when_running(self._install_reload_signal)
+        if self.freeze_heap:
+            self._when_running(freeze_heap)
         if self.notifier is not None:
             self.notifier.ready()  # listening, and preloads (if any) have begun
 

@@ -46,7 +46,9 @@ def makeService(options: Options):  # noqa: N802 - twistd's name
 
     try:
         # The files SIGHUP and POST /v1/node/reload re-read, as in the CLI.
-        return make_service(options.config, config_paths=(options["config"], options["config-override"]))
+        service = make_service(options.config, config_paths=(options["config"], options["config-override"]))
+        service.freeze_heap = True
+        return service
     except ConfigError as e:
         sys.stderr.write(f"{PROG}: {e}\n")
         raise SystemExit(2)

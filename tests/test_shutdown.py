@@ -3,12 +3,14 @@ in the kernel, D-state) cannot keep the agent from exiting."""
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any, List
 
 from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
+import rolemesh.service
 from rolemesh.config import validate
 from rolemesh.service import SHUTDOWN_MARGIN_S, SHUTDOWN_OVERDUE_EXIT, kernel_state, shutdown_deadline
 from tests.service_harness import ServiceHarness
@@ -112,3 +114,31 @@ class OperationsDocTests(SynchronousTestCase):
         quoted = re.search(r"`(still running: [^`]+)`", doc)
         assert quoted is not None
         self.assertEqual(re.sub(r"cuda:0|\d+|stopping|unknown|[RSDZT] \([a-z ]+\)", ".", quoted.group(1)), shape)
+
+
+class FreezeHeapTests(SynchronousTestCase):
+    """The entry points' service freezes its start-up heap once running; tests' services do not."""
+
+    def started(self, freeze: bool) -> List[str]:
+        frozen: List[str] = []
+        self.patch(rolemesh.service, "freeze_heap", lambda: frozen.append("frozen"))
+        h = ServiceHarness({"models": [{"model_id": "tiny"}]})
+        self.addCleanup(h.cleanup)
+        h.root.freeze_heap = freeze
+        h.start()
+        self.addCleanup(h.stop)
+        for f, args, kwargs in getattr(h.reactor, "whenRunningHooks", []):  # the reactor starts running
+            f(*args, **kwargs)
+        return frozen
+
+    def test_frozen_when_asked(self) -> None:
+        self.assertEqual(self.started(True), ["frozen"])
+
+    def test_not_by_default(self) -> None:
+        self.assertEqual(self.started(False), [])
+
+    def test_freeze_heap_moves_objects_out_of_the_collectors_sight(self) -> None:
+        before = gc.get_freeze_count()
+        self.addCleanup(gc.unfreeze)
+        rolemesh.service.freeze_heap()
+        self.assertGreater(gc.get_freeze_count(), before)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import types
 from typing import Any, Dict, List
 
 import yaml
@@ -102,11 +103,13 @@ class MakeServiceTests(TapTestCase):
         override = self.write("local.yaml", {"node_id": "overridden"})
         options = self.parse(["--config", self.base(), "--config-override", override])
         calls: List[Any] = []
-        self.patch(rolemesh.service, "make_service", lambda config, **kw: calls.append((config, kw)) or "svc")
-        self.assertEqual(tap.makeService(options), "svc")
+        built = types.SimpleNamespace(freeze_heap=False)
+        self.patch(rolemesh.service, "make_service", lambda config, **kw: calls.append((config, kw)) or built)
+        self.assertIs(tap.makeService(options), built)
         [(config, kw)] = calls
         self.assertIs(config, options.config)
         self.assertEqual(kw["config_paths"], (options["config"], override))
+        self.assertTrue(built.freeze_heap, "the long-running process freezes its start-up heap")
 
 
 class PluginTests(SynchronousTestCase):
