@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from klein import Klein
 from twisted.internet import defer
+from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
@@ -40,9 +41,11 @@ log = Logger()
 MAX_MODEL_NAME = 256
 #: Lines the logs endpoint returns at most.
 MAX_LOG_TAIL = 1000
-#: The request log line and metrics wait this long after the answer, so the
-#: reactor flushes the answer to the client before spending time on them.
-RECORD_DELAY_S = 0.002
+#: The request log line and metrics wait up to this long after the answer:
+#: the answer goes out first, and the requests finished meanwhile are
+#: recorded in one wake-up (at a few hundred requests a second, a dozen).
+#: Flushed at shutdown, after the drain.
+RECORD_DELAY_S = 0.05
 #: ``(endpoint, path)`` of the routes relayed to llama-server.
 PROXIED_ROUTES = (("chat/completions", "/v1/chat/completions"), ("completions", "/v1/completions"),
                   ("embeddings", "/v1/embeddings"))
@@ -188,6 +191,7 @@ class NodeAPI:
         self.events = Events(*observers)
         #: Finished requests not yet logged (see _record_later).
         self._unrecorded: List[Dict[str, Any]] = []
+        self._flush: Optional[IDelayedCall] = None
 
     def use_config(self, config: NodeConfig) -> None:
         """Serve with ``config`` from the next request on (a reload: models,
@@ -428,12 +432,19 @@ class NodeAPI:
         went out."""
         self._unrecorded.append(fields)
         if len(self._unrecorded) == 1:
-            self.node.reactor.callLater(RECORD_DELAY_S, self._record_all)
+            self._flush = self.node.reactor.callLater(RECORD_DELAY_S, self._record_all)
 
     def _record_all(self) -> None:
         records, self._unrecorded = self._unrecorded, []
         for fields in records:
             self._record(fields)
+
+    def flush_records(self) -> None:
+        """Record the finished requests now (shutdown: the timer would not run)."""
+        if self._flush is not None and self._flush.active():
+            self._flush.cancel()
+        self._flush = None
+        self._record_all()
 
     def _record(self, fields: Dict[str, Any]) -> None:
         log.info("POST /v1/{endpoint} {model} -> {status} on {device} in {duration_ms:.1f} ms",

@@ -311,6 +311,8 @@ class FastChannel(Protocol):
         #: Since when the connection waits for (the rest of) a request; None while answering.
         self._waiting_since: Optional[float] = None
         self._deadline: Any = None
+        #: How long the connection may wait for (the rest of) a request.
+        self._limit_s = self._limit()
 
     # -- deadlines: one timer per connection, moved only when it fires --------
 
@@ -320,7 +322,7 @@ class FastChannel(Protocol):
 
     def _wait_for_request(self) -> None:
         self._waiting_since = self._reactor.seconds()
-        limit = self._limit()
+        limit = self._limit_s
         if limit is not None and self._deadline is None:
             self._deadline = self._reactor.callLater(limit, self._check_deadline)
 
@@ -328,7 +330,7 @@ class FastChannel(Protocol):
         self._deadline = None
         if self._waiting_since is None or self._closed or self._fallback is not None:
             return
-        limit = self._limit() or 0.0
+        limit = self._limit_s or 0.0
         left = self._waiting_since + limit - self._reactor.seconds()
         if left > 0:
             self._deadline = self._reactor.callLater(left, self._check_deadline)

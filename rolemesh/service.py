@@ -165,6 +165,8 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
         self.node = node
         self.proxy = proxy
         self.listener: Optional[IService] = None
+        #: The HTTP API (its request records are flushed at shutdown).
+        self.api: Optional[NodeAPI] = None
         self.dispatcher: Optional[DispatcherClient] = None
         #: The listener's :class:`~rolemesh.tls.ServerTLS` (None for plain
         #: HTTP); ``tls.reload()`` rotates the certificate.
@@ -360,6 +362,8 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
 
         drain.addBoth(drained)
         await self._drain
+        if self.api is not None:
+            self.api.flush_records()  # the drained requests' log lines and metrics, now
         if self.listener is not None and self.listener.running:
             await self._stop_step("closing the listener", self.listener.stopService)
         if self.dispatcher is not None and self.dispatcher.running:
@@ -493,7 +497,7 @@ def _serve_api(
     """The HTTP API with its metrics, and the listener serving it (TLS with a
     certificate: ConfigError on bad files), as children of ``root``."""
     metrics = NodeMetrics(node, root)
-    api = NodeAPI(config, node, proxy, registration=registration, render_metrics=metrics.render,
+    api = root.api = NodeAPI(config, node, proxy, registration=registration, render_metrics=metrics.render,
                   observers=[metrics.observe], readiness=root.readiness, reload=root.reload)
     node.setServiceParent(root)
 

@@ -238,6 +238,16 @@ class ProxiedRequestTests(ApiTestCase):
         self.assertIsNotNone(first["ttfb"])
         self.assertEqual((second["model"], second["status"]), (None, 404))
 
+    def test_records_wait_to_be_batched_and_flush_at_once_when_asked(self) -> None:
+        self.loaded("a")
+        self.h.chat({"model": "a", **CHAT})
+        self.h.chat({"model": "a", **CHAT})
+        self.h.reactor.advance(RECORD_DELAY_S / 2)
+        self.assertEqual(self.h._observed, [], "not yet: answers first, records together")
+        self.h.api.flush_records()  # what the shutdown does after its drain
+        self.assertEqual([o["status"] for o in self.h._observed], [200, 200])
+        self.assertEqual(self.h.reactor.getDelayedCalls(), [], "no timer left behind")
+
     def test_streaming_headers_reach_the_client(self) -> None:
         self.loaded("a")
 
