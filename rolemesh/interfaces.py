@@ -5,11 +5,21 @@ The ``I...Reactor`` names at the end are the exception: they name, for the
 type checker, the sets of Twisted reactor interfaces a part needs from the
 reactor it is given.  No reactor declares them; the real reactor provides
 every one of their bases (``tests/test_reactor.py`` checks that).
+
+The ``typing.Protocol`` classes after them are not interfaces either: they
+describe, for the type checker only, parts that share no declared interface:
+the requests the API answers, which come from two places (Klein's
+``twisted.web`` requests and the fast channel's), and what the proxy sends
+its requests with.
 """
 
 from __future__ import annotations
 
+from typing import List, Optional, Protocol
+
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import (
+    IProducer,
     IReactorCore,
     IReactorPluggableNameResolver,
     IReactorProcess,
@@ -17,6 +27,8 @@ from twisted.internet.interfaces import (
     IReactorThreads,
     IReactorTime,
 )
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import Attribute, Interface
 
 
@@ -69,3 +81,71 @@ class IBackendReactor(IReactorTime, IReactorProcess, IReactorThreads):
 class IAgentReactor(IHTTPClientReactor, IBackendReactor, IReactorCore):
     """Everything the agent asks of the reactor it runs on; what the service
     tree is built with and hands on to its parts."""
+
+
+class ReadableBody(Protocol):
+    """A request's body, whole: ``request.content``."""
+
+    def read(self) -> bytes: ...
+
+
+class EditableHeaders(Protocol):
+    """Response headers as the proxy edits them: ``twisted.web``'s
+    ``Headers`` and the fast channel's ``ResponseHeaders`` both are."""
+
+    def setRawHeaders(self, name: bytes, values: List[bytes], /) -> None: ...
+
+    def removeHeader(self, name: bytes, /) -> None: ...
+
+
+class RouteRequest(Protocol):
+    """What the API's routes and their error answers use of a request: part
+    of ``IRequest``, and all that :class:`~rolemesh.fast_channel.FastRequest`
+    needs to be for them."""
+
+    @property
+    def path(self) -> bytes: ...
+
+    @property
+    def content(self) -> Optional[ReadableBody]:
+        """The body (None on a ``twisted.web`` request only before its body
+        began or after it was finished)."""
+
+    def getHeader(self, name: bytes, /) -> Optional[bytes]: ...
+
+    def setHeader(self, name: bytes, value: bytes, /) -> None: ...
+
+    def setResponseCode(self, code: int, message: Optional[bytes] = None, /) -> None: ...
+
+
+class ProxiedRequest(RouteRequest, Protocol):
+    """A request the proxy relays an answer to: ``twisted.web``'s ``Request``
+    (the Klein routes) or :class:`~rolemesh.fast_channel.FastRequest` (the
+    fast path).  More than ``IRequest`` declares: the status set so far, the
+    finish notification, the producer and the connection
+    (``rolemesh/listener.py`` has the type checker check both kinds)."""
+
+    @property
+    def code(self) -> int: ...
+
+    @property
+    def responseHeaders(self) -> EditableHeaders: ...
+
+    def write(self, data: bytes, /) -> None: ...
+
+    def notifyFinish(self) -> Deferred[None]: ...
+
+    def registerProducer(self, producer: IProducer, streaming: bool, /) -> None: ...
+
+    def unregisterProducer(self) -> None: ...
+
+    def loseConnection(self) -> None: ...
+
+
+class ChildRequester(Protocol):
+    """What the proxy sends its requests to children with: ``IAgent.request``,
+    as :class:`~rolemesh.child_http.ChildAgent` (which does not declare
+    ``IAgent``) has it."""
+
+    def request(self, method: bytes, uri: bytes, headers: Optional[Headers] = None,
+                bodyProducer: Optional[IBodyProducer] = None, /) -> Deferred[IResponse]: ...

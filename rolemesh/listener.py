@@ -15,24 +15,38 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Union
 
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.endpoints import TCP4ServerEndpoint, serverFromString
-from twisted.internet.interfaces import IOpenSSLServerConnectionCreator
+from twisted.internet.interfaces import (
+    IAddress,
+    IDelayedCall,
+    IListeningPort,
+    IOpenSSLServerConnectionCreator,
+    IProtocolFactory,
+    IReactorTime,
+    IStreamServerEndpoint,
+)
+from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
 from twisted.python.failure import Failure
+from twisted.web import http
 from twisted.web.http import HTTPChannel
+from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from rolemesh.errors import ApiError
 from rolemesh.fast_channel import FastChannel, FastRoute, HttpDate
-from rolemesh.interfaces import IAgentReactor
+from rolemesh.interfaces import IAgentReactor, ProxiedRequest
 from rolemesh.reactor import resolve_reactor
 
 log = Logger()
+
+if TYPE_CHECKING:
+    from rolemesh.fast_channel import FastRequest
 
 
 class LimitedRequest(Request):
@@ -71,9 +85,17 @@ class LimitedRequest(Request):
         super().handleContentChunk(data)
 
 
+if TYPE_CHECKING:
+    def _requests_the_api_relays_to(klein: LimitedRequest, fast: FastRequest) -> List[ProxiedRequest]:
+        """For the type checker only: both kinds of request the API relays
+        answers to (this site's, through Klein, and the fast channel's)
+        satisfy :class:`~rolemesh.interfaces.ProxiedRequest`."""
+        return [klein, fast]
+
+
 class _GuardedChannel(HTTPChannel):
     site: "GuardedSite"
-    _read_deadline: Any = None
+    _read_deadline: Optional[IDelayedCall] = None
     #: A whole request arrived and is not answered yet (HTTPChannel keeps
     #: the same fact in a private attribute).
     _answering = False
@@ -105,13 +127,13 @@ class _GuardedChannel(HTTPChannel):
         self._answering = True  # before super(): a quick answer ends it within
         super().allContentReceived()
 
-    def requestDone(self, request: Any) -> None:
+    def requestDone(self, request: http.Request) -> None:
         self._answering = False  # before super(): a pipelined request may begin within
         super().requestDone(request)
         if not self._answering and getattr(self.transport, "connected", False):
             self._arm()  # keep-alive: the next request gets its own deadline
 
-    def connectionLost(self, reason: Any = None) -> None:
+    def connectionLost(self, reason: Optional[Failure] = None) -> None:
         self._disarm()
         self.site.open_connections -= 1
         super().connectionLost(reason)
@@ -125,9 +147,9 @@ class GuardedSite(Site):
 
     def __init__(
         self,
-        resource: Any,
+        resource: IResource,
         *,
-        reactor: Any = None,
+        reactor: Optional[IReactorTime] = None,
         idle_timeout: float = 60.0,
         request_read_timeout: Optional[float] = 30.0,
         max_connections: int = 1024,
@@ -147,11 +169,12 @@ class GuardedSite(Site):
         self.displayTracebacks = False
         self.noisy = False
 
-    def log(self, request: Any) -> None:
+    def log(self, request: http.Request) -> None:
         """No Apache-style access line: the API logs each proxied request with
         structured fields (request id, model, device, status, duration)."""
 
-    def buildProtocol(self, addr: Any) -> Any:
+    # Not always an HTTPChannel (a FastChannel for the fast routes), and None to refuse (IProtocolFactory's word).
+    def buildProtocol(self, addr: Optional[IAddress]) -> Optional[Protocol]:  # type: ignore[override]
         if self.open_connections >= self.max_connections:
             if not self._refusing:
                 log.warn("refusing client connections: {count} already open (max_connections)",
@@ -159,7 +182,7 @@ class GuardedSite(Site):
             self._refusing = True
             return None
         self._refusing = False
-        channel: Any
+        channel: Optional[Protocol]
         if self.fast_routes:
             channel = FastChannel(self, self.fast_routes, lambda: super(GuardedSite, self).buildProtocol(addr))
         else:
@@ -206,7 +229,8 @@ class _TLSSiteFactory(TLSMemoryBIOFactory):
 
     protocol = _TLSConnection
 
-    def buildProtocol(self, addr: Any) -> Any:  # noqa: N802 - Twisted's name
+    # None refuses the connection, as IProtocolFactory allows (WrappingFactory's annotation does not).
+    def buildProtocol(self, addr: Optional[IAddress]) -> Optional[_TLSConnection]:  # type: ignore[override]  # noqa: N802
         inner = self.wrappedFactory.buildProtocol(addr)
         if inner is None:
             return None
@@ -222,14 +246,14 @@ class EndpointListener(Service):
     (an ``IListeningPort``; None while not listening).
     """
 
-    def __init__(self, endpoint: Any, factory: Any) -> None:
+    def __init__(self, endpoint: IStreamServerEndpoint, factory: IProtocolFactory) -> None:
         self.endpoint = endpoint
         self.factory = factory
-        self.port: Any = None
-        self._pending: Any = None
+        self.port: Optional[IListeningPort] = None
+        self._pending: Optional[Deferred[IListeningPort]] = None
 
     @property
-    def _port(self) -> Any:
+    def _port(self) -> Optional[IListeningPort]:
         """The name callers used before :attr:`port` was public."""
         return self.port
 
@@ -246,7 +270,7 @@ class EndpointListener(Service):
         returned = False
         failed: List[Failure] = []
 
-        def done(outcome: Any) -> None:
+        def done(outcome: Union[IListeningPort, Failure]) -> None:
             self._pending = None
             if not isinstance(outcome, Failure):
                 self.port = outcome
@@ -261,7 +285,7 @@ class EndpointListener(Service):
         if failed:
             failed[0].raiseException()
 
-    def stopService(self) -> Any:  # noqa: N802 - Twisted's name
+    def stopService(self) -> Optional[Deferred[None]]:  # noqa: N802 - Twisted's name
         super().stopService()
         if self._pending is not None:
             self._pending.cancel()
@@ -280,7 +304,7 @@ def listening_service(site: Site, *, host: str, port: int, endpoint: Optional[st
     that wraps every connection in TLS, whatever the endpoint.
     """
     reactor = resolve_reactor(reactor)
-    factory: Any = site if tls is None else _TLSSiteFactory(tls, False, site, clock=reactor)
+    factory: IProtocolFactory = site if tls is None else _TLSSiteFactory(tls, False, site, clock=reactor)
     if endpoint is None:
         return EndpointListener(TCP4ServerEndpoint(reactor, port, interface=host), factory)
     return EndpointListener(serverFromString(reactor, endpoint), factory)

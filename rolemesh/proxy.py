@@ -16,11 +16,12 @@ fails on a stale pooled connection before any byte was sent is retried once.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectError
+from twisted.internet.interfaces import IConsumer, IDelayedCall
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -32,6 +33,7 @@ from zope.interface import implementer
 
 from rolemesh import errors
 from rolemesh.child_http import ChildAgent
+from rolemesh.interfaces import ChildRequester, IHTTPClientReactor, ProxiedRequest
 from rolemesh.reactor import UsesReactor
 from rolemesh.twisted_compat import client_disconnected, never_sent
 
@@ -93,7 +95,7 @@ class BytesProducer:
         self.body = body
         self.length = len(body)
 
-    def startProducing(self, consumer: Any) -> "Deferred[None]":
+    def startProducing(self, consumer: IConsumer) -> "Deferred[None]":
         consumer.write(self.body)
         return defer.succeed(None)
 
@@ -122,13 +124,13 @@ class _Relay(Protocol):
     """Copies an upstream body to the downstream request as it arrives;
     tells ``ended(whole)`` how the body ended."""
 
-    def __init__(self, request: Any, ended: Callable[[bool], None], on_data: Callable[[], None]) -> None:
+    def __init__(self, request: ProxiedRequest, ended: Callable[[bool], None], on_data: Callable[[], None]) -> None:
         self._request = request
         self._ended = ended
         self._on_data = on_data
 
     def connectionMade(self) -> None:
-        self._request.registerProducer(self.transport, True)
+        self._request.registerProducer(self.transport, True)  # type: ignore[arg-type]  # a TransportProxyProducer
 
     def dataReceived(self, data: bytes) -> None:
         self._on_data()
@@ -156,7 +158,7 @@ class _Forward:
     so a child that hangs mid-answer cannot hold its slot for ever.
     """
 
-    def __init__(self, proxy: "Proxy", request: Any, url: bytes, body: bytes, streaming: bool,
+    def __init__(self, proxy: "Proxy", request: ProxiedRequest, url: bytes, body: bytes, streaming: bool,
                  timeout: Optional[float], idle_timeout: Optional[float],
                  on_first_byte: Optional[Callable[[], None]]) -> None:
         self.proxy = proxy
@@ -174,8 +176,8 @@ class _Forward:
         self.cancelled = False
         #: Which deadline passed: None, "request" or "idle".
         self.expired: Optional[str] = None
-        self._deadline: Any = None
-        self._idle: Any = None
+        self._deadline: Optional[IDelayedCall] = None
+        self._idle: Optional[IDelayedCall] = None
         self._upstream: Optional[Deferred] = None
 
     def start(self) -> "Deferred[str]":
@@ -208,7 +210,7 @@ class _Forward:
             notify, self.on_first_byte = self.on_first_byte, None
             notify()
         if self._idle is not None and self._idle.active():
-            self._idle.reset(self.idle_timeout)
+            self._idle.reset(self.idle_timeout)  # type: ignore[arg-type]  # an _idle timer means an idle_timeout
 
     def _stop_timers(self) -> None:
         for timer in (self._deadline, self._idle):
@@ -321,7 +323,7 @@ class _Forward:
             self.result.errback(errors.upstream_error(f"llama-server failed the request: {_describe(failure)}"))
 
 
-def _abort_client(request: Any) -> None:
+def _abort_client(request: ProxiedRequest) -> None:
     transport = getattr(getattr(request, "channel", None), "transport", None) or getattr(request, "transport", None)
     abort = getattr(transport, "abortConnection", None)
     if abort is not None:
@@ -330,11 +332,12 @@ def _abort_client(request: Any) -> None:
         request.loseConnection()
 
 
-class Proxy(UsesReactor):
+class Proxy(UsesReactor[IHTTPClientReactor]):
     """Sends requests to children over a persistent pool and relays answers."""
 
-    def __init__(self, reactor: Any = None, max_per_host: int = 4, agent: Any = None,
-                 fresh_agent: Any = None, coalesce_s: float = 0.0) -> None:
+    def __init__(self, reactor: Optional[IHTTPClientReactor] = None, max_per_host: int = 4,
+                 agent: Optional[ChildRequester] = None, fresh_agent: Optional[ChildRequester] = None,
+                 coalesce_s: float = 0.0) -> None:
         self._reactor = reactor
         self._max_per_host = max_per_host
         self._coalesce_s = coalesce_s
@@ -343,7 +346,7 @@ class Proxy(UsesReactor):
         self._pool: Optional[ChildAgent] = None
 
     @property
-    def agent(self) -> Any:
+    def agent(self) -> ChildRequester:
         if self._agent is None:
             self._pool = ChildAgent(self.reactor, persistent=True, max_per_host=self._max_per_host,
                                     coalesce_s=self._coalesce_s)
@@ -351,7 +354,7 @@ class Proxy(UsesReactor):
         return self._agent
 
     @property
-    def fresh_agent(self) -> Any:
+    def fresh_agent(self) -> ChildRequester:
         """Requests on a connection of their own (the retry after a stale one)."""
         if self._fresh_agent is None:
             self._fresh_agent = ChildAgent(self.reactor, persistent=False, coalesce_s=self._coalesce_s)
@@ -369,7 +372,7 @@ class Proxy(UsesReactor):
 
     def forward(
         self,
-        request: Any,
+        request: ProxiedRequest,
         base_url: str,
         path: str,
         body: bytes,
@@ -393,7 +396,7 @@ class Proxy(UsesReactor):
         return _Forward(self, request, url, body, streaming, timeout, idle_timeout, on_first_byte).start()
 
     @staticmethod
-    def _client_gone(request: Any) -> bool:
+    def _client_gone(request: ProxiedRequest) -> bool:
         return client_disconnected(request) or bool(getattr(request, "finished", False))
 
 

@@ -11,14 +11,14 @@ ends of the supported range).
 from __future__ import annotations
 
 import errno
-from typing import Any
 
 from twisted.internet import tcp
 from twisted.internet.interfaces import IReactorTime, ITransport
 from twisted.python.failure import Failure
 from twisted.web._newclient import RequestNotSent  # not in twisted.web.client.__all__
 from twisted.web.client import HTTPConnectionPool, RequestTransmissionFailed, ResponseNeverReceived
-from twisted.web.iweb import IRequest
+
+from rolemesh.interfaces import ProxiedRequest
 
 #: Failures of an HTTP request that llama-server cannot have acted on: the
 #: request was not sent, or not completely, or the connection closed before
@@ -31,8 +31,8 @@ def never_sent(failure: Failure) -> bool:
     return bool(failure.check(*NEVER_SENT))
 
 
-def client_disconnected(request: IRequest) -> bool:
-    """True once the client of a ``twisted.web`` request has gone.
+def client_disconnected(request: ProxiedRequest) -> bool:
+    """True once the client of a ``twisted.web`` (or fast channel) request has gone.
 
     ``Request`` records a lost connection only in ``_disconnected``;
     ``notifyFinish()`` cannot tell afterwards (a Deferred asked for after
@@ -51,8 +51,8 @@ def quiet_connection_pool(reactor: IReactorTime, persistent: bool) -> HTTPConnec
     pool = HTTPConnectionPool(reactor, persistent=persistent)
     factory = getattr(pool, "_factory", None)
     if isinstance(factory, type):
-        quiet: Any = type("QuietHTTP11ClientFactory", (factory,), {"noisy": False})
-        pool._factory = quiet  # type: ignore[attr-defined]
+        quiet = type("QuietHTTP11ClientFactory", (factory,), {"noisy": False})
+        pool._factory = quiet  # type: ignore[assignment]  # a subclass of it, which the checker cannot see
     return pool
 
 
