@@ -15,25 +15,27 @@ import json
 import re
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Sequence, TypeVar, Union, cast
 
 from klein import Klein
 from twisted.internet import defer
 from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.resource import Resource
+from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource, Resource
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from rolemesh import errors
 from rolemesh.config import NodeConfig
 from rolemesh.events import Events
 from rolemesh.fast_channel import FastRoute
+from rolemesh.interfaces import ProxiedRequest, RouteRequest
 from rolemesh.node import Lease, Node
 from rolemesh.proxy import CLIENT_GONE, STALLED, Proxy, UpstreamUnreachable
 from rolemesh.readiness import Readiness
 from rolemesh.reload import ReloadResult
-from rolemesh.supervisor import READY
+from rolemesh.supervisor import READY, DeviceSupervisor
 
 log = Logger()
 
@@ -64,13 +66,13 @@ def request_ids() -> Iterator[str]:
 _request_ids = request_ids()
 
 
-def _json(request: Any, status: int, body: Any) -> bytes:
+def _json(request: RouteRequest, status: int, body: Any) -> bytes:
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json")
     return json.dumps(body).encode("utf-8")
 
 
-def _error(request: Any, error: errors.ApiError) -> bytes:
+def _error(request: RouteRequest, error: errors.ApiError) -> bytes:
     if error.retry_after is not None:
         request.setHeader(b"retry-after", str(error.retry_after).encode())
     if error.status == 401:
@@ -121,11 +123,11 @@ class _Utf8Guard(Resource):
 
     isLeaf = True
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: IResource) -> None:
         super().__init__()
         self._inner = inner
 
-    def render(self, request: Any) -> Any:
+    def render(self, request: IRequest) -> Union[bytes, int]:
         try:
             b"/".join(request.prepath + request.postpath).decode("utf-8")
             request.getRequestHostname().decode("utf-8")
@@ -135,7 +137,10 @@ class _Utf8Guard(Resource):
         return self._inner.render(request)
 
 
-def _passing(result: Any, then: Callable[[], None]) -> Any:
+_T = TypeVar("_T")
+
+
+def _passing(result: _T, then: Callable[[], None]) -> _T:
     """``then()``, whatever ``result`` (a Deferred's ``finally``)."""
     then()
     return result
@@ -199,12 +204,12 @@ class NodeAPI:
         self.config = config
         self._keys = [k.encode("utf-8") for k in config.api_keys]
 
-    def resource(self) -> Any:
+    def resource(self) -> IResource:
         return _Utf8Guard(self.app.resource())
 
     # -- cross-cutting ----------------------------------------------------------
 
-    def _authorize(self, request: Any) -> None:
+    def _authorize(self, request: RouteRequest) -> None:
         if not self._keys:
             return
         header = request.getHeader(b"authorization") or b""  # bytes: the raw header value
@@ -220,10 +225,10 @@ class NodeAPI:
             )
 
     @app.handle_errors(errors.ApiError)
-    def _api_error(self, request: Any, failure: Any) -> bytes:
-        return _error(request, failure.value)
+    def _api_error(self, request: IRequest, failure: Failure) -> bytes:
+        return _error(request, cast(errors.ApiError, failure.value))
 
-    def _unauthorized(self, request: Any) -> Optional[bytes]:
+    def _unauthorized(self, request: RouteRequest) -> Optional[bytes]:
         """Without a valid key, say 401 before saying which routes exist."""
         try:
             self._authorize(request)
@@ -232,7 +237,7 @@ class NodeAPI:
         return None
 
     @app.handle_errors(NotFound)
-    def _not_found(self, request: Any, failure: Any) -> bytes:
+    def _not_found(self, request: IRequest, failure: Failure) -> bytes:
         denied = self._unauthorized(request)
         if denied is not None:
             return denied
@@ -240,7 +245,7 @@ class NodeAPI:
         return _error(request, errors.ApiError(404, f"no route {path}", "invalid_request_error", "not_found"))
 
     @app.handle_errors(MethodNotAllowed)
-    def _not_allowed(self, request: Any, failure: Any) -> bytes:
+    def _not_allowed(self, request: IRequest, failure: Failure) -> bytes:
         if request.path not in (b"/health", b"/ready"):
             denied = self._unauthorized(request)
             if denied is not None:
@@ -253,15 +258,15 @@ class NodeAPI:
                                                "invalid_request_error", "method_not_allowed"))
 
     @app.handle_errors(HTTPException)
-    def _http_exception(self, request: Any, failure: Any) -> bytes:
-        e = failure.value
+    def _http_exception(self, request: IRequest, failure: Failure) -> bytes:
+        e = cast(HTTPException, failure.value)
         new_url = getattr(e, "new_url", None)  # werkzeug's RequestRedirect (e.g. "//" merged): say where to
         if new_url:
             request.setHeader(b"location", new_url.encode("utf-8"))
         return _error(request, errors.ApiError(e.code or 400, e.description or e.name, "invalid_request_error"))
 
     @app.handle_errors(Exception)
-    def _unexpected(self, request: Any, failure: Any) -> bytes:
+    def _unexpected(self, request: RouteRequest, failure: Failure) -> bytes:
         log.failure("unexpected error answering {path}", failure, path=request.path)
         return _error(request, errors.ApiError(500, "internal error in the node agent", "server_error",
                                                "internal_error"))
@@ -269,11 +274,11 @@ class NodeAPI:
     # -- the agent's own routes ---------------------------------------------------------
 
     @app.route("/health", methods=["GET"])
-    def health(self, request: Any) -> bytes:
+    def health(self, request: IRequest) -> bytes:
         return _json(request, 200, {"status": "ok", "draining": self.node.draining})
 
     @app.route("/ready", methods=["GET"])
-    def ready(self, request: Any) -> bytes:
+    def ready(self, request: IRequest) -> bytes:
         """200 when the agent can take work, else 503 naming what fails (no auth)."""
         if self._readiness is None:
             raise errors.ApiError(404, "readiness is not available", "invalid_request_error", "not_found")
@@ -281,7 +286,7 @@ class NodeAPI:
         return _json(request, 200 if readiness.ready else 503, readiness.to_json())
 
     @app.route("/v1/node/reload", methods=["POST"])
-    def reload(self, request: Any) -> bytes:
+    def reload(self, request: IRequest) -> bytes:
         """Re-read the config files; 400 with the one-line error if invalid."""
         self._authorize(request)
         if self._reload is None:
@@ -292,7 +297,7 @@ class NodeAPI:
         return _json(request, 200, result.to_json())
 
     @app.route("/v1/models", methods=["GET"])
-    def models(self, request: Any) -> bytes:
+    def models(self, request: IRequest) -> bytes:
         self._authorize(request)
         data = []
         for model in self.config.models:
@@ -315,19 +320,19 @@ class NodeAPI:
         return _json(request, 200, {"object": "list", "data": data})
 
     @app.route("/v1/node/inventory", methods=["GET"])
-    def inventory(self, request: Any) -> bytes:
+    def inventory(self, request: IRequest) -> bytes:
         self._authorize(request)
         return _json(request, 200, self.node.inventory())
 
     @app.route("/v1/node/registration", methods=["GET"])
-    def registration(self, request: Any) -> bytes:
+    def registration(self, request: IRequest) -> bytes:
         self._authorize(request)
         if self._registration is None:
             raise errors.ApiError(404, "registration payload not available", "invalid_request_error", "not_found")
         return _json(request, 200, self._registration())
 
     @app.route("/v1/node/devices/<device>/logs", methods=["GET"])
-    def device_logs(self, request: Any, device: str) -> bytes:
+    def device_logs(self, request: IRequest, device: str) -> bytes:
         self._authorize(request)
         supervisor = self.node.supervisors.get(device)
         if supervisor is None:
@@ -343,7 +348,7 @@ class NodeAPI:
         return _json(request, 200, {"device": device, "lines": supervisor.log_tail(tail)})
 
     @app.route("/metrics", methods=["GET"])
-    def metrics(self, request: Any) -> bytes:
+    def metrics(self, request: IRequest) -> bytes:
         self._authorize(request)
         if self._render_metrics is None:
             raise errors.ApiError(404, "metrics are not enabled", "invalid_request_error", "not_found")
@@ -359,40 +364,39 @@ class NodeAPI:
         return {path.encode("ascii"): functools.partial(self._fast_proxy, endpoint, path)
                 for endpoint, path in PROXIED_ROUTES}
 
-    def _fast_proxy(self, endpoint: str, path: str, request: Any) -> "defer.Deferred[Optional[bytes]]":
-        d = self._proxy(request, endpoint, path)
-        d.addErrback(self._fast_error, request)
-        return d
+    def _fast_proxy(self, endpoint: str, path: str, request: ProxiedRequest) -> "defer.Deferred[Optional[bytes]]":
+        return self._proxy(request, endpoint, path).addErrback(self._fast_error, request)
 
-    def _fast_error(self, failure: Any, request: Any) -> Any:
+    def _fast_error(self, failure: Failure, request: ProxiedRequest) -> bytes:
         if failure.check(errors.ApiError):
-            return _error(request, failure.value)
+            return _error(request, cast(errors.ApiError, failure.value))
         if failure.check(defer.CancelledError):
-            return failure
+            return failure  # type: ignore[return-value]  # the cancellation goes on failing the Deferred
         return self._unexpected(request, failure)
 
     @app.route("/v1/chat/completions", methods=["POST"])
-    def chat_completions(self, request: Any) -> Any:
-        return self._proxy(request, "chat/completions", "/v1/chat/completions")
+    def chat_completions(self, request: IRequest) -> "defer.Deferred[None]":
+        # Klein's requests are twisted.web's, ProxiedRequests (see rolemesh/listener.py).
+        return self._proxy(cast(ProxiedRequest, request), "chat/completions", "/v1/chat/completions")
 
     @app.route("/v1/completions", methods=["POST"])
-    def completions(self, request: Any) -> Any:
-        return self._proxy(request, "completions", "/v1/completions")
+    def completions(self, request: IRequest) -> "defer.Deferred[None]":
+        return self._proxy(cast(ProxiedRequest, request), "completions", "/v1/completions")
 
     @app.route("/v1/embeddings", methods=["POST"])
-    def embeddings(self, request: Any) -> Any:
-        return self._proxy(request, "embeddings", "/v1/embeddings")
+    def embeddings(self, request: IRequest) -> "defer.Deferred[None]":
+        return self._proxy(cast(ProxiedRequest, request), "embeddings", "/v1/embeddings")
 
-    def _body(self, request: Any) -> bytes:
+    def _body(self, request: RouteRequest) -> bytes:
         if getattr(request, "body_too_large", False):  # the listener did not keep it
             limit = self.config.max_request_body_bytes
             raise errors.ApiError(413, f"request body is larger than {limit} bytes (max_request_body_bytes)",
                                   "invalid_request_error", "request_too_large")
-        return request.content.read()
+        return request.content.read()  # type: ignore[union-attr]  # None only before the body began
 
     # -- operator routes: warm or free a device -------------------------------------
 
-    def _supervisor(self, device: str) -> Any:
+    def _supervisor(self, device: str) -> DeviceSupervisor:
         supervisor = self.node.supervisors.get(device)
         if supervisor is None:
             raise errors.ApiError(404, f"no device {device[:64]!r} on this node", "invalid_request_error",
@@ -401,7 +405,7 @@ class NodeAPI:
 
     @app.route("/v1/node/devices/<device>/load", methods=["POST"])
     @defer.inlineCallbacks
-    def load(self, request: Any, device: str) -> Any:
+    def load(self, request: IRequest, device: str) -> Generator["defer.Deferred[Any]", Any, bytes]:
         """Load a model on a device, queued like a request (429 when full)."""
         self._authorize(request)
         supervisor = self._supervisor(device)
@@ -413,20 +417,20 @@ class NodeAPI:
 
     @app.route("/v1/node/devices/<device>/unload", methods=["POST"])
     @defer.inlineCallbacks
-    def unload(self, request: Any, device: str) -> Any:
+    def unload(self, request: IRequest, device: str) -> Generator["defer.Deferred[Any]", Any, bytes]:
         """Stop a device's child once the requests ahead of this one are done."""
         self._authorize(request)
         supervisor = self._supervisor(device)
         yield self.node.unload(device)
         return _json(request, 200, {"device": device, **supervisor.snapshot()})
 
-    def _request_id(self, request: Any) -> str:
+    def _request_id(self, request: RouteRequest) -> str:
         given = (request.getHeader(b"x-request-id") or b"").decode("latin-1")  # bytes: the raw header value
         rid = given if given and _REQUEST_ID.fullmatch(given) else next(_request_ids)
         request.setHeader(b"x-request-id", rid.encode("ascii"))
         return rid
 
-    def _record_later(self, _: Any, fields: Dict[str, Any]) -> None:
+    def _record_later(self, _: Optional[Failure], fields: Dict[str, Any]) -> None:
         """Log and observe a finished request a moment later, with the others
         finished meanwhile: one wake-up for all of them, after their answers
         went out."""
@@ -452,7 +456,7 @@ class NodeAPI:
         observed = {k: v for k, v in fields.items() if k not in ("device", "request_id")}
         self.events.emit("request", **observed)
 
-    def _proxy(self, request: Any, endpoint: str, path: str) -> "defer.Deferred[Optional[bytes]]":
+    def _proxy(self, request: ProxiedRequest, endpoint: str, path: str) -> "defer.Deferred[None]":
         """Check, place and relay one request; the explicit callbacks below
         are its steps (this runs for every inference request: a generator
         per request cost more than the rest of the agent's own work)."""
@@ -465,33 +469,34 @@ class NodeAPI:
             payload = parse_body(body, self.config.max_request_body_bytes)
             model = self.node.resolve(payload["model"])
             record.model = model.model_id
-            d = self.node.acquire(model)
+            acquired = self.node.acquire(model)
         except Exception:
-            d = defer.fail()
+            d: "defer.Deferred[str]" = defer.fail()
         else:
-            d.addCallback(self._acquired, request, path, body, payload.get("stream") is True, record)
-        return d.addBoth(self._proxied, request, record)  # type: ignore[no-any-return]
+            d = acquired.addCallback(self._acquired, request, path, body, payload.get("stream") is True, record)
+        return d.addBoth(self._proxied, request, record)
 
-    def _acquired(self, lease: Lease, request: Any, path: str, body: bytes, streaming: bool,
+    def _acquired(self, lease: Lease, request: ProxiedRequest, path: str, body: bytes, streaming: bool,
                   record: "_Record") -> "defer.Deferred[str]":
         record.device = lease.device
         d = self._relay(request, lease, path, body, streaming, record)
         return d.addBoth(_passing, lease.release)
 
-    def _proxied(self, result: Any, request: Any, record: "_Record") -> Any:
+    def _proxied(self, result: Union[str, Failure], request: ProxiedRequest, record: "_Record") -> Optional[Failure]:
         """How it ended, for the record; logged and observed once the answer is out."""
         if isinstance(result, Failure):
             if isinstance(result.value, errors.ApiError):
                 record.status = result.value.status
             elif result.check(defer.CancelledError):
                 record.status = 499
+            failed: Optional[Failure] = result
         else:
             record.status = 499 if result == CLIENT_GONE else request.code
-            result = None
+            failed = None
         request.notifyFinish().addBoth(self._record_later, record.fields(time.monotonic()))
-        return result
+        return failed
 
-    def _relay(self, request: Any, lease: Lease, path: str, body: bytes, streaming: bool,
+    def _relay(self, request: ProxiedRequest, lease: Lease, path: str, body: bytes, streaming: bool,
                record: "_Record") -> "defer.Deferred[str]":
         """Forward to the lease's child; once more to a fresh child if it was
         unreachable; a child that timed out or went silent is checked."""
@@ -503,7 +508,7 @@ class NodeAPI:
         d.addCallbacks(self._answered, self._not_answered, callbackArgs=(lease,), errbackArgs=(lease, forward))
         return d
 
-    def _answered(self, outcome: str, lease: Lease) -> Any:
+    def _answered(self, outcome: str, lease: Lease) -> Union[str, "defer.Deferred[str]"]:
         if outcome != STALLED:
             return outcome
         log.warn("llama-server on {device} went silent for {seconds:g}s mid-answer "
@@ -513,7 +518,8 @@ class NodeAPI:
             lambda _: outcome)
 
     @defer.inlineCallbacks
-    def _not_answered(self, failure: Any, lease: Lease, forward: Callable[..., Any]) -> Any:
+    def _not_answered(self, failure: Failure, lease: Lease, forward: Callable[..., "defer.Deferred[str]"]
+                      ) -> Generator["defer.Deferred[Any]", Any, str]:
         """The rare path: no answer from the child (retried once), or none in time."""
         try:
             if not failure.check(UpstreamUnreachable):
@@ -531,5 +537,5 @@ class NodeAPI:
             if e.code == "upstream_timeout":
                 yield self.node.check_child(lease, "an upstream timeout")
             raise
-        return (yield self._answered(outcome, lease))
+        return (yield self._answered(outcome, lease))  # type: ignore[misc]  # a str comes back as it is
 
