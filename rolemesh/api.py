@@ -405,7 +405,7 @@ class NodeAPI:
 
     @app.route("/v1/node/devices/<device>/load", methods=["POST"])
     @defer.inlineCallbacks
-    def load(self, request: IRequest, device: str) -> Generator["defer.Deferred[Any]", Any, bytes]:
+    def load(self, request: IRequest, device: str) -> Generator["defer.Deferred[Lease]", Lease, bytes]:
         """Load a model on a device, queued like a request (429 when full)."""
         self._authorize(request)
         supervisor = self._supervisor(device)
@@ -417,7 +417,7 @@ class NodeAPI:
 
     @app.route("/v1/node/devices/<device>/unload", methods=["POST"])
     @defer.inlineCallbacks
-    def unload(self, request: IRequest, device: str) -> Generator["defer.Deferred[Any]", Any, bytes]:
+    def unload(self, request: IRequest, device: str) -> Generator["defer.Deferred[None]", None, bytes]:
         """Stop a device's child once the requests ahead of this one are done."""
         self._authorize(request)
         supervisor = self._supervisor(device)
