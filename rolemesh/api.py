@@ -31,6 +31,7 @@ from rolemesh.config import NodeConfig
 from rolemesh.events import Events
 from rolemesh.fast_channel import FastRoute
 from rolemesh.interfaces import ProxiedRequest, RouteRequest
+from rolemesh.logs import one_write
 from rolemesh.node import Lease, Node
 from rolemesh.proxy import CLIENT_GONE, STALLED, Proxy, UpstreamUnreachable
 from rolemesh.readiness import Readiness
@@ -440,8 +441,9 @@ class NodeAPI:
 
     def _record_all(self) -> None:
         records, self._unrecorded = self._unrecorded, []
-        for fields in records:
-            self._record(fields)
+        with one_write():  # the batch's log lines in one write
+            for fields in records:
+                self._record(fields)
 
     def flush_records(self) -> None:
         """Record the finished requests now (shutdown: the timer would not run)."""

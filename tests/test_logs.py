@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from typing import List
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -11,7 +12,7 @@ from twisted.logger import LogLevel, formatEvent, formatEventAsClassicLogText, f
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.logs import _Timestamps, classic_text, event_as_json, format_event, make_observer
+from rolemesh.logs import _Timestamps, classic_text, event_as_json, format_event, make_observer, one_write
 
 
 def twisted_text(event: dict) -> object:
@@ -89,3 +90,37 @@ class FormatTests(SynchronousTestCase):
             if kind == "json":
                 self.assertEqual(json.loads(line)["message"], formatEvent(dict(EVENTS[0])))
                 self.assertEqual(event_as_json(dict(EVENTS[0])), line.strip())
+
+
+class OneWriteTests(SynchronousTestCase):
+    """A batch of log lines reaches the stream in one write, in order, and nothing is lost."""
+
+    def test_lines_inside_go_out_together_at_the_end(self) -> None:
+        writes: List[str] = []
+
+        class Stream(io.StringIO):
+            def write(self, text: str) -> int:
+                writes.append(text)
+                return super().write(text)
+
+        stream = Stream()
+        observer = make_observer("text", stream)
+        with one_write():
+            with one_write():  # nested: the outer one releases
+                observer(dict(EVENTS[0], log_time=1.0))
+            observer(dict(EVENTS[1], log_time=2.0))
+            self.assertEqual(writes, [], "held while the batch runs")
+        self.assertEqual(len(writes), 1)
+        self.assertEqual(stream.getvalue(), twisted_text(dict(EVENTS[0], log_time=1.0)) +
+                         twisted_text(dict(EVENTS[1], log_time=2.0)))
+        observer(dict(EVENTS[0], log_time=3.0))
+        self.assertEqual(len(writes), 2, "outside a batch each line goes at once")
+
+    def test_an_error_in_the_batch_still_writes_what_was_logged(self) -> None:
+        stream = io.StringIO()
+        observer = make_observer("json", stream)
+        with self.assertRaises(ZeroDivisionError):
+            with one_write():
+                observer(dict(EVENTS[0]))
+                raise ZeroDivisionError()
+        self.assertEqual(json.loads(stream.getvalue())["status"], 200)
