@@ -30,19 +30,21 @@ by the close) or ``ResponseFailed``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.defer import CancelledError, Deferred, gatherResults, succeed
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
-from twisted.internet.interfaces import IPushProducer
+from twisted.internet.interfaces import IAddress, IDelayedCall, IProtocol, IPushProducer, IStreamClientEndpoint
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.client import URI, ResponseDone, ResponseFailed, ResponseNeverReceived
 from twisted.web.http import PotentialDataLoss
-from twisted.web.iweb import UNKNOWN_LENGTH
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer, IResponse
 from zope.interface import implementer
 
+from rolemesh.interfaces import IHTTPClientReactor
 from rolemesh.twisted_compat import write_now
 
 #: The most bytes of status line and headers accepted.
@@ -88,7 +90,7 @@ class RawHeaders:
     def getAllRawHeaders(self) -> Iterator[Tuple[bytes, List[bytes]]]:  # noqa: N802 - Headers' name
         return iter(self._headers.items())
 
-    def getRawHeaders(self, name: bytes, default: Any = None) -> Any:  # noqa: N802 - Headers' name
+    def getRawHeaders(self, name: bytes, default: Optional[List[bytes]] = None) -> Optional[List[bytes]]:  # noqa: N802
         return self._headers.get(name.lower(), default)
 
     def hasHeader(self, name: bytes) -> bool:  # noqa: N802 - Headers' name
@@ -145,7 +147,7 @@ class ChildResponse:
     """An ``IResponse``-like answer: ``code``, ``phrase``, ``headers``, ``length``, ``deliverBody``."""
 
     def __init__(self, conn: "ChildConnection", version: bytes, code: int, phrase: bytes, headers: RawHeaders,
-                 length: Any) -> None:
+                 length: Union[int, str]) -> None:
         self._conn = conn
         self.version = (b"HTTP", 1, 1 if version == b"HTTP/1.1" else 0)
         self.code = code
@@ -153,7 +155,7 @@ class ChildResponse:
         self.headers = headers
         self.length = length
 
-    def deliverBody(self, protocol: Any) -> None:  # noqa: N802 - IResponse's name
+    def deliverBody(self, protocol: IProtocol) -> None:  # noqa: N802 - IResponse's name
         self._conn.deliver_body(protocol)
 
 
@@ -171,12 +173,12 @@ class ChildConnection(Protocol):
         self._framing = _NONE
         self._left = 0
         self._chunk_state = _SIZE
-        self._body: Any = None  # the body protocol, once delivered
+        self._body: Optional[IProtocol] = None  # the body protocol, once delivered
         self._body_transport: Optional[_BodyTransport] = None
         self._pending: List[bytes] = []  # body bytes that came before deliverBody
         self._ended: Optional[Failure] = None  # how the body ended, before deliverBody
         self._paused = False  # by the body's consumer (backpressure)
-        self._held: Any = None  # the timer of a coalescing pause
+        self._held: Optional[IDelayedCall] = None  # the timer of a coalescing pause
         self._body_began = 0.0
         self._reading_paused = False  # the socket's state: paused if either of the two
         self._lost: List[Deferred] = []
@@ -284,7 +286,7 @@ class ChildConnection(Protocol):
         connection = headers.get(b"connection")
         keep = self._keep_alive and version == b"HTTP/1.1" and not (
             connection and any(v.lower() == b"close" for v in connection))
-        length: Any = UNKNOWN_LENGTH
+        length: Union[int, str] = UNKNOWN_LENGTH  # Twisted's marker is a str
         te = headers.get(b"transfer-encoding")
         if code in (204, 304):
             self._framing, length = _NONE, 0
@@ -424,10 +426,12 @@ class ChildConnection(Protocol):
         else:
             self._ended = reason
 
-    def deliver_body(self, protocol: Any) -> None:
+    def deliver_body(self, protocol: IProtocol) -> None:
         self._body = protocol
         self._body_transport = _BodyTransport(self)
-        protocol.makeConnection(self._body_transport)
+        # A producer, not a whole transport: what twisted.web's own clients
+        # give a body protocol too (TransportProxyProducer).
+        protocol.makeConnection(self._body_transport)  # type: ignore[arg-type]
         pending, self._pending = self._pending, []
         for data in pending:
             if self._body is not protocol:
@@ -461,6 +465,24 @@ class ChildConnection(Protocol):
             d.callback(None)
 
 
+class _Attempt:
+    """One request's way to a connection: what cancelling it must stop."""
+
+    __slots__ = ("conn", "connecting", "cancelled")
+
+    def __init__(self) -> None:
+        self.conn: Optional[ChildConnection] = None
+        self.connecting: Optional[Deferred] = None
+        self.cancelled = False
+
+    def cancel(self, _: Deferred) -> None:
+        self.cancelled = True
+        if self.conn is not None:
+            self.conn.abort()
+        elif self.connecting is not None:
+            self.connecting.cancel()
+
+
 class _ConnectionFactory(Factory):
     noisy = False
 
@@ -468,7 +490,7 @@ class _ConnectionFactory(Factory):
         self._pool = pool
         self._key = key
 
-    def buildProtocol(self, addr: Any) -> ChildConnection:  # noqa: N802 - Twisted's name
+    def buildProtocol(self, addr: Optional[IAddress]) -> ChildConnection:  # noqa: N802 - Twisted's name
         return ChildConnection(self._pool, self._key)
 
 
@@ -491,7 +513,7 @@ class ChildAgent:
 
     retryAutomatically = False
 
-    def __init__(self, reactor: Any, persistent: bool = True, max_per_host: int = 2,
+    def __init__(self, reactor: IHTTPClientReactor, persistent: bool = True, max_per_host: int = 2,
                  connect_timeout: float = CONNECT_TIMEOUT_S, coalesce_s: float = 0.0) -> None:
         self._reactor = reactor
         self.coalesce_s = coalesce_s
@@ -516,7 +538,8 @@ class ChildAgent:
             self._targets[uri] = target
         return target
 
-    def request(self, method: bytes, uri: bytes, headers: Any = None, bodyProducer: Any = None) -> Deferred:
+    def request(self, method: bytes, uri: bytes, headers: Optional[Headers] = None,
+                bodyProducer: Optional[IBodyProducer] = None) -> "Deferred[IResponse]":
         """Send a request; fires with a :class:`ChildResponse` once its head arrived."""
         key, host, path = self._target(uri)
         parts = [method, b" ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
@@ -527,12 +550,13 @@ class ChildAgent:
         if not self.persistent:
             parts.append(b"Connection: close\r\n")
         body = getattr(bodyProducer, "body", None) if bodyProducer is not None else b""
-        if body is None:
+        if body is None:  # a producer that is not an in-memory body
+            assert bodyProducer is not None
             return self._collect(bodyProducer).addCallback(
                 lambda data: self._request(key, parts, data))
         return self._request(key, parts, body)
 
-    def _collect(self, producer: Any) -> "Deferred[bytes]":
+    def _collect(self, producer: IBodyProducer) -> "Deferred[bytes]":
         chunks: List[bytes] = []
 
         class _Consumer:
@@ -545,45 +569,35 @@ class ChildAgent:
             parts.append(b"Content-Length: %d\r\n" % len(body))
         parts += [b"\r\n", body]
         data = b"".join(parts)
-        state: Dict[str, Any] = {}
-
-        def cancel(d: Deferred) -> None:
-            state["cancelled"] = True
-            conn = state.get("conn")
-            if conn is not None:
-                conn.abort()
-            elif "connecting" in state:
-                state["connecting"].cancel()
-
-        result: Deferred = Deferred(cancel)
+        attempt = _Attempt()
+        result: Deferred = Deferred(attempt.cancel)
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
             if conn._state == _IDLE and conn.transport is not None:
-                state["conn"] = conn
+                attempt.conn = conn
                 conn.send(data, result, self.persistent)
                 return result
 
         def connected(conn: ChildConnection) -> None:
-            state.pop("connecting", None)
+            attempt.connecting = None
             if result.called:  # cancelled meanwhile
                 conn.abort()
                 return
-            state["conn"] = conn
+            attempt.conn = conn
             self._open[conn] = None
             conn.send(data, result, self.persistent)
 
         def failed(failure: Failure) -> None:
-            state.pop("connecting", None)
+            attempt.connecting = None
             if not result.called:
-                result.errback(Failure(CancelledError()) if state.get("cancelled") else failure)
+                result.errback(Failure(CancelledError()) if attempt.cancelled else failure)
 
-        connecting = self._endpoint(key).connect(_ConnectionFactory(self, key))
-        state["connecting"] = connecting
+        connecting = attempt.connecting = self._endpoint(key).connect(_ConnectionFactory(self, key))
         connecting.addCallbacks(connected, failed)
         return result
 
-    def _endpoint(self, key: Tuple[str, int]) -> Any:
+    def _endpoint(self, key: Tuple[str, int]) -> IStreamClientEndpoint:
         host, port = key
         if isIPAddress(host):
             return TCP4ClientEndpoint(self._reactor, host, port, timeout=self._connect_timeout)

@@ -30,17 +30,21 @@ from __future__ import annotations
 
 import time
 from http import HTTPStatus
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, ItemsView, List, Optional, Tuple
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionDone, ConnectionLost
+from twisted.internet.interfaces import IAddress, IDelayedCall, IProducer, IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import RESPONSES, datetimeToString
 
 from rolemesh.twisted_compat import write_now
+
+if TYPE_CHECKING:  # the listener builds the channels: it imports this module
+    from rolemesh.listener import GuardedSite
 
 log = Logger()
 
@@ -94,13 +98,13 @@ class ResponseHeaders:
     def removeHeader(self, name: bytes) -> None:  # noqa: N802 - Headers' name
         self._headers.pop(name.lower(), None)
 
-    def getRawHeaders(self, name: bytes, default: Any = None) -> Any:  # noqa: N802 - Headers' name
+    def getRawHeaders(self, name: bytes, default: Optional[List[bytes]] = None) -> Optional[List[bytes]]:  # noqa: N802
         return self._headers.get(name.lower(), default)
 
     def hasHeader(self, name: bytes) -> bool:  # noqa: N802 - Headers' name
         return name.lower() in self._headers
 
-    def items(self) -> Any:
+    def items(self) -> ItemsView[bytes, List[bytes]]:
         return self._headers.items()
 
 
@@ -144,14 +148,14 @@ class FastRequest:
         self.code_message = b"OK"
         self.responseHeaders = ResponseHeaders()
         self._finish_waiters: List[Deferred] = []
-        self._producer: Any = None
+        self._producer: Optional[IProducer] = None
 
     # -- the request ---------------------------------------------------------
 
     def getHeader(self, name: bytes) -> Optional[bytes]:  # noqa: N802 - IRequest's name
         return self._headers.get(name.lower())
 
-    def getClientAddress(self) -> Any:  # noqa: N802 - IRequest's name
+    def getClientAddress(self) -> IAddress:  # noqa: N802 - IRequest's name
         return self.transport.getPeer()
 
     # -- the response ---------------------------------------------------------
@@ -224,7 +228,7 @@ class FastRequest:
             self._finish_waiters.append(d)
         return d
 
-    def registerProducer(self, producer: Any, streaming: bool) -> None:  # noqa: N802 - IRequest's name
+    def registerProducer(self, producer: IProducer, streaming: bool) -> None:  # noqa: N802 - IRequest's name
         self._producer = producer
         self.transport.registerProducer(producer, streaming)
 
@@ -295,7 +299,8 @@ class FastChannel(Protocol):
     """A client connection that serves ``routes`` itself and hands anything
     else, for good, to the twisted.web channel ``make_fallback()`` builds."""
 
-    def __init__(self, site: Any, routes: Dict[bytes, FastRoute], make_fallback: Callable[[], Protocol]) -> None:
+    def __init__(self, site: "GuardedSite", routes: Dict[bytes, FastRoute],
+                 make_fallback: Callable[[], Protocol]) -> None:
         self.site = site
         self._routes = routes
         self._make_fallback = make_fallback
@@ -310,7 +315,7 @@ class FastChannel(Protocol):
         self._closed = False
         #: Since when the connection waits for (the rest of) a request; None while answering.
         self._waiting_since: Optional[float] = None
-        self._deadline: Any = None
+        self._deadline: Optional[IDelayedCall] = None
         #: How long the connection may wait for (the rest of) a request.
         self._limit_s = self._limit()
 
@@ -469,7 +474,7 @@ class FastChannel(Protocol):
 class HttpDate:
     """The ``Date`` header's value, formatted once per second of ``clock``."""
 
-    def __init__(self, clock: Any) -> None:
+    def __init__(self, clock: IReactorTime) -> None:
         self._clock = clock
         self._second = -1
         self._value = b""
