@@ -218,7 +218,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
                     request.loading.cancel()  # frees the ticket through its errback
 
     @classmethod
-    def _refuse(cls, request: Any) -> None:
+    def _refuse(cls, request: object) -> None:
+        """Answer a ticket's waiter (an _Acquisition or _Unload) 503 shutting_down."""
         cls._stop_queue_timer(request)
         result = getattr(request, "result", None)
         if result is not None and not result.called:
@@ -296,10 +297,10 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         request.result.errback(errors.queue_timeout(f"device {ticket.device}", self.config.queue_timeout_s))
 
     @staticmethod
-    def _stop_queue_timer(request: Any) -> None:
-        timer = getattr(request, "queue_timer", None)
+    def _stop_queue_timer(request: object) -> None:
+        timer = getattr(request, "queue_timer", None)  # an _Acquisition's, while it waits
         if timer is not None:
-            request.queue_timer = None
+            request.queue_timer = None  # type: ignore[attr-defined]
             if timer.active():
                 timer.cancel()
 
@@ -367,7 +368,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             model.model_id, need.describe(),
             f"the largest {what} it may use, {largest}, has {gib(self.capacity(largest))} in total")
 
-    def _placement(self, model: ModelConfig, device: Optional[str]) -> Any:
+    def _placement(self, model: ModelConfig,
+                   device: Optional[str]) -> Tuple[List[str], Dict[str, int], Optional[str]]:
         """(eligible lanes, need per lane, pinned lane) for a request."""
         lanes = self.lanes_for(model)
         missing = [lane for lane in lanes if lane not in self.scheduler.devices]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import attr
 from prometheus_client.parser import text_string_to_metric_families
@@ -37,6 +37,9 @@ from twisted.python.failure import Failure
 from rolemesh.devices import DeviceMetrics
 from rolemesh.interfaces import IHTTPClientReactor
 from rolemesh.reactor import UsesReactor
+
+if TYPE_CHECKING:  # the supervisor reports through this module: no import at run time
+    from rolemesh.supervisor import DeviceSupervisor
 
 log = Logger()
 
@@ -395,18 +398,18 @@ def issue(code: str, message: Optional[str], model: Optional[str], at: Optional[
     return {"code": code, "message": (message or code)[:300], "model": model, "at": at}
 
 
-def device_issues(supervisor: Any, telemetry: Optional[ChildTelemetry],
+def device_issues(supervisor: "DeviceSupervisor", telemetry: Optional[ChildTelemetry],
                   device_metrics: Optional[DeviceMetrics]) -> List[Dict[str, Any]]:
     """The device's current problems, each with a stable ``code``, the model
     it concerns (or None) and since when (reactor seconds: POSIX time on the
     real reactor, the clock the heartbeat's ``time`` uses too)."""
     out = []
+    held = getattr(supervisor, "model", None)
+    model_now = held.model_id if held is not None else None
     code = getattr(supervisor, "last_error_code", None)
     if code:
-        model = supervisor.model.model_id if getattr(supervisor, "model", None) is not None else None
-        out.append(issue(code, getattr(supervisor, "last_error", None), model,
+        out.append(issue(code, getattr(supervisor, "last_error", None), model_now,
                          getattr(supervisor, "last_error_at", None)))
-    model_now = supervisor.model.model_id if getattr(supervisor, "model", None) is not None else None
     for warning in getattr(supervisor, "warnings", ()):
         # Serving, but only thanks to --no-repack after a SIGILL: a build to replace.
         out.append(issue(SAFE_MODE, warning, model_now, getattr(supervisor, "safe_mode_since", None)))
