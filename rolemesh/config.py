@@ -21,6 +21,7 @@ got "big"``.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import shutil
@@ -39,7 +40,22 @@ PLACEHOLDER_PREFIX = "/path/to/"
 BACKEND_NAMES = ("cuda", "rocm", "metal", "sycl", "vulkan", "cpu")
 BACKENDS = ("auto", *BACKEND_NAMES)
 LOG_FORMATS = ("text", "json")
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` -- a name or an address, IPv6 with or without
+    brackets -- is this machine's loopback: 127.0.0.0/8, ::1, ``localhost``
+    and ``*.localhost`` (RFC 6761).  The one test of it: the listener's
+    missing-key warning and the dispatcher's plain-HTTP warning both ask it."""
+    name = host.strip().lower()
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 SECRET_KEYS = frozenset({"api_key", "api_keys", "dispatcher_token"})
 
 #: A pure value check: ``(key path, value) -> value to store``, raising ConfigError.
@@ -533,7 +549,7 @@ class NodeConfig:
     def exposed_without_key(self) -> bool:
         """Listening beyond loopback with no API key: anyone who reaches the
         port can use every model."""
-        return self.listen_host not in LOOPBACK_HOSTS and not self.api_keys
+        return not is_loopback(self.listen_host) and not self.api_keys
 
     def idle_unload_for(self, model: ModelConfig) -> Optional[float]:
         if model.keep_loaded:

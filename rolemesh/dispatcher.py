@@ -28,6 +28,7 @@ from twisted.web.iweb import IPolicyForHTTPS
 
 from rolemesh import __version__
 from rolemesh.backoff import Backoff
+from rolemesh.config import is_loopback
 from rolemesh.enums import StrEnum
 from rolemesh.http_client import quiet_pool, quiet_treq
 from rolemesh.interfaces import IHTTPClientReactor
@@ -141,7 +142,6 @@ def _tls_pool(reactor: IReactorTime) -> HTTPConnectionPool:
     return pool
 
 
-_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
 
 
 def plaintext_off_loopback(url: str) -> bool:
@@ -155,8 +155,7 @@ def plaintext_off_loopback(url: str) -> bool:
         host = host[: host.find("]") + 1]
     else:
         host = host.partition(":")[0]
-    host = host.lower()
-    return not (host in _LOOPBACK_NAMES or host.startswith("127.") or host.endswith(".localhost"))
+    return not is_loopback(host)
 
 
 def _without_userinfo(url: str) -> str:

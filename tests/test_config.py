@@ -29,6 +29,7 @@ from rolemesh.config import (
     as_dict,
     check_environment,
     deep_merge,
+    is_loopback,
     load_config,
     load_yaml,
     parse,
@@ -1325,3 +1326,23 @@ class PureParseTests(SynchronousTestCase):
             f.write("api_key_env: K\n")
         e = self.assertRaises(ConfigError, load_config, path, environ={})
         self.assertEqual(str(e), "api_key_env: environment variable K is not set or empty")
+
+
+class LoopbackTests(SynchronousTestCase):
+    """One test of "this machine only", for the listener's missing-key warning and the dispatcher's."""
+
+    def test_loopback_hosts(self) -> None:
+        for host in ("127.0.0.1", "127.0.0.2", "127.255.255.254", "localhost", "LOCALHOST", "api.localhost",
+                     "::1", "[::1]", " 127.0.0.1 "):
+            self.assertTrue(is_loopback(host), host)
+
+    def test_other_hosts(self) -> None:
+        for host in ("0.0.0.0", "::", "10.0.0.2", "128.0.0.1", "localhost.example", "mylocalhost", "",
+                     "node.example", "[::2]", "1.2.3.4.localhost.evil"[:-14]):
+            self.assertFalse(is_loopback(host), host)
+
+    def test_the_listener_warning_follows_it(self) -> None:
+        for host, exposed in (("127.0.0.2", False), ("0.0.0.0", True), ("::1", False)):
+            config = parse({"node_id": "n", "listen_host": host,
+                            "models": [{"model_id": "m", "path": "/m.gguf"}]})
+            self.assertEqual(config.exposed_without_key, exposed, host)
