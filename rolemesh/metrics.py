@@ -37,7 +37,9 @@ from twisted.logger import Logger
 
 from rolemesh import __version__
 from rolemesh.config import NodeConfig
+from rolemesh.dispatcher import DispatcherState
 from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, STOPPING
+from rolemesh.telemetry import finite_number
 
 if TYPE_CHECKING:
     from rolemesh.node import Node
@@ -52,7 +54,7 @@ UNKNOWN = "unknown"
 #: Every child state, so ``rolemesh_child_state`` has a stable set of series.
 CHILD_STATES = (STOPPED, STARTING, READY, STOPPING, FAILED)
 #: Dispatcher client states (``rolemesh.dispatcher``), for the same reason.
-DISPATCHER_STATES = ("unregistered", "registered", "unreachable")
+DISPATCHER_STATES = tuple(state.value for state in DispatcherState)
 
 #: Whole-request latency: LLM answers range from milliseconds (embeddings) to minutes.
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -85,14 +87,6 @@ SUPERVISOR_COUNTERS: Dict[str, Tuple[str, str]] = {
         "Loads retried with --no-repack after llama-server died of SIGILL (a non-portable build).",
     ),
 }
-
-
-def _number(value: object) -> Optional[float]:
-    """``value`` as a float if it is a real number (not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if value == value else None  # NaN -> None
 
 
 class NodeMetrics:
@@ -261,10 +255,10 @@ class NodeMetrics:
         model_label = self._model(model)
         endpoint_label = self._endpoint(endpoint)
         self._labelled(self.requests, model=model_label, endpoint=endpoint_label, status=self._status(status)).inc()
-        seconds = _number(duration)
+        seconds = finite_number(duration)
         if seconds is not None and seconds >= 0:
             self._labelled(self.request_duration, model=model_label, endpoint=endpoint_label).observe(seconds)
-        first = _number(ttfb)
+        first = finite_number(ttfb)
         if first is not None and first >= 0:
             self._labelled(self.request_ttfb, model=model_label, endpoint=endpoint_label).observe(first)
 
@@ -281,7 +275,7 @@ class NodeMetrics:
 
     def _on_queue_wait(self, device: object = None, seconds: object = None, **_: object) -> None:
         name = self._device(device)
-        wait = _number(seconds)
+        wait = finite_number(seconds)
         if name is not None and wait is not None:
             self._labelled(self.queue_wait, device=name).observe(max(0.0, wait))
 
@@ -297,7 +291,7 @@ class NodeMetrics:
     def _on_load(self, device: object = None, model: object = None, seconds: object = None, **_: object) -> None:
         """A child became ready: a load, and how long it took."""
         self._count_supervisor_event("load", device, model)
-        name, took = self._device(device), _number(seconds)
+        name, took = self._device(device), finite_number(seconds)
         if name is not None and took is not None and took >= 0:
             self.load_duration.labels(device=name, model=self._model(model)).observe(took)
 
@@ -421,9 +415,9 @@ class _LiveCollector(Collector):
         for ref in node.devices:
             name = ref.name
             sample = node.metrics.get(name)
-            total = _number(sample.memory_total_bytes) if sample is not None else None
+            total = finite_number(sample.memory_total_bytes) if sample is not None else None
             if total is None:
-                total = _number(ref.memory_total_bytes)
+                total = finite_number(ref.memory_total_bytes)
             if total is not None:
                 g["total"].add_metric([name], total)
             if sample is None:
@@ -435,13 +429,13 @@ class _LiveCollector(Collector):
                 ("temp", sample.temperature_c),
                 ("power", sample.power_w),
             ):
-                number = _number(value)
+                number = finite_number(value)
                 if number is not None:
                     g[key].add_metric([name], number)
-            util = _number(sample.utilization_pct)
+            util = finite_number(sample.utilization_pct)
             if util is not None:
                 g["util"].add_metric([name], util / 100.0)
-            sampled_at = _number(sample.sampled_at)
+            sampled_at = finite_number(sample.sampled_at)
             if sampled_at is not None:
                 g["age"].add_metric([name], max(0.0, now - sampled_at))
             g["stale"].add_metric([name], 1 if sample.stale else 0)
@@ -477,12 +471,12 @@ class _LiveCollector(Collector):
                 continue
             labels = [name, metrics._model(record.model)]
             stale.add_metric(labels, 1 if record.stale else 0)
-            good_at = _number(record.good_at)
+            good_at = finite_number(record.good_at)
             if good_at is not None:
                 age.add_metric(labels, max(0.0, now - good_at))
             for family, value in ((slots, record.slots_total), (busy, record.slots_busy),
                                   (rate, record.tokens_per_s), (kv, record.kv_cache_usage_ratio)):
-                number = _number(value)
+                number = finite_number(value)
                 if number is not None:
                     family.add_metric(labels, number)
             _relabel(child, record.families, labels)
@@ -505,7 +499,7 @@ class _LiveCollector(Collector):
         regs.add_metric(["success"], getattr(client, "registrations_ok", 0) or 0)
         regs.add_metric(["failure"], getattr(client, "registrations_failed", 0) or 0)
         yield regs
-        last = _number(getattr(client, "last_success", None))
+        last = finite_number(getattr(client, "last_success", None))
         since = self._metrics._now() - (last if last is not None else self._metrics._started)
         yield GaugeMetricFamily(
             "rolemesh_dispatcher_seconds_since_last_success",

@@ -31,7 +31,6 @@ the transition that caused it is complete: observers -- the node, the metrics
 
 from __future__ import annotations
 
-import enum
 import functools
 import os
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union, cast
@@ -69,6 +68,7 @@ from rolemesh.child_process import (
 )
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceRef
+from rolemesh.enums import StrEnum
 from rolemesh.events import Events, Outbox
 from rolemesh.interfaces import IAgentReactor, IDeviceBackend
 from rolemesh.pidfiles import PidFiles
@@ -91,7 +91,7 @@ __all__ = [
 log = Logger()
 
 
-class DeviceState(str, enum.Enum):
+class DeviceState(StrEnum):
     """A device's state; a ``str`` (its value) wherever it is shown or sent."""
 
     STOPPED = "stopped"
@@ -99,12 +99,6 @@ class DeviceState(str, enum.Enum):
     READY = "ready"
     STOPPING = "stopping"
     FAILED = "failed"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return self.value.__format__(spec)
 
 
 STOPPED = DeviceState.STOPPED

@@ -189,7 +189,9 @@ def _int(value: Optional[float]) -> Optional[int]:
     return None if value is None else int(value)
 
 
-def _number(value: Any) -> Optional[float]:
+def finite_number(value: object) -> Optional[float]:
+    """``value`` as a float if it is a finite real number (not a bool, NaN
+    or an infinity: a sample, a duration or a count from outside), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     value = float(value)
@@ -216,7 +218,7 @@ def parse_prometheus(text: str) -> Tuple[ChildFamily, ...]:
         short = family.name[len(CHILD_PREFIX):]
         samples = []
         for s in family.samples:
-            value = _number(s.value)
+            value = finite_number(s.value)
             if value is None or not s.name.startswith(CHILD_PREFIX):
                 continue
             samples.append(ChildSample(s.name[len(CHILD_PREFIX):], tuple(sorted(s.labels.items())), value))
@@ -235,7 +237,7 @@ def parse_slots(body: Any) -> Tuple[SlotState, ...]:
         n_decoded = 0
         steps = entry.get("next_token")
         if isinstance(steps, list) and steps and isinstance(steps[0], dict):
-            n_decoded = int(_number(steps[0].get("n_decoded")) or 0)
+            n_decoded = int(finite_number(steps[0].get("n_decoded")) or 0)
         n_ctx = entry.get("n_ctx")
         id_task = entry.get("id_task")
         out.append(
@@ -245,7 +247,7 @@ def parse_slots(body: Any) -> Tuple[SlotState, ...]:
                 is_processing=entry.get("is_processing") is True,
                 id_task=id_task if isinstance(id_task, int) and not isinstance(id_task, bool) else None,
                 n_decoded=max(0, n_decoded),
-                n_prompt_tokens=max(0, int(_number(entry.get("n_prompt_tokens")) or 0)),
+                n_prompt_tokens=max(0, int(finite_number(entry.get("n_prompt_tokens")) or 0)),
             )
         )
     return tuple(out)
