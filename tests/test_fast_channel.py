@@ -277,3 +277,14 @@ class WithoutFastRoutesTests(SynchronousTestCase):
 
 def _unused(_: Optional[Any]) -> Deferred:
     return succeed(None)
+
+
+class CapTests(SynchronousTestCase):
+    def test_the_connection_cap_counts_fast_channels(self) -> None:
+        site = GuardedSite(SlowPath(), reactor=Clock(), max_connections=2, fast_routes={b"/fast": Route()})
+        first, second = site.buildProtocol(None), site.buildProtocol(None)
+        self.assertIsNone(site.buildProtocol(None), "a third is refused")
+        for channel in (first, second):
+            channel.makeConnection(StringTransport())
+        first.connectionLost(Failure(ConnectionDone()))
+        self.assertIsInstance(site.buildProtocol(None), FastChannel, "a place is free again")
