@@ -51,7 +51,7 @@ class QuantizedModelTests(SynchronousTestCase):
             self.assertEqual(status, 200, f"{quant}: {body[:300]!r}")
             events = read_sse(body)
             self.assertEqual(events[-1], "[DONE]", quant)
-            self.assertGreater(len(events), 3, quant)
+            self.assertGreater(len(events), 3, (quant, events))
 
             status, _, body = self.agent.request("POST", "/v1/embeddings", {"model": model, "input": "hello"},
                                                  timeout=60)
