@@ -306,6 +306,11 @@ class FastChannel(Protocol):
         self._make_fallback = make_fallback
         self._reactor = site.reactor
         self._buffer = b""
+        #: While a body arrives in several reads: the bytes the request needs
+        #: in all (0: not waiting), and its reads so far.
+        self._need = 0
+        self._parts: List[bytes] = []
+        self._size = 0
         #: The request being answered (at most one: pipelined requests wait in _buffer).
         self._current: Optional[FastRequest] = None
         self._current_result: Optional[Deferred] = None
@@ -340,7 +345,7 @@ class FastChannel(Protocol):
         if left > 0:
             self._deadline = self._reactor.callLater(left, self._check_deadline)
             return
-        if self._buffer:
+        if self._buffer or self._need:
             log.info("closing a client connection that did not send its request within {seconds:g}s",
                      seconds=limit)
         self.transport.abortConnection()  # type: ignore[union-attr]
@@ -364,7 +369,14 @@ class FastChannel(Protocol):
         if self._fallback is not None:
             self._fallback.dataReceived(data)
             return
-        self._buffer = self._buffer + data if self._buffer else data
+        if self._need:  # a body on its way in several reads: joined once, when whole
+            self._parts.append(data)
+            self._size += len(data)
+            if self._size < self._need:
+                return
+            self._buffer, self._parts, self._need = b"".join(self._parts), [], 0
+        else:
+            self._buffer = self._buffer + data if self._buffer else data
         if self._current is None:
             self._next_request()
         elif not self._paused:
@@ -391,8 +403,9 @@ class FastChannel(Protocol):
             self._hand_off()
             return
         start = end + 4
-        if len(buffer) - start < length:
-            return  # the rest of the body is on its way; the deadline runs
+        if len(buffer) - start < length:  # the rest of the body is on its way; the deadline runs
+            self._need, self._parts, self._size, self._buffer = start + length, [buffer], len(buffer), b""
+            return
         self._buffer = buffer[start + length:]
         self._waiting_since = None
         request = FastRequest(self, method, path, headers, buffer[start:start + length])

@@ -288,3 +288,19 @@ class CapTests(SynchronousTestCase):
             channel.makeConnection(StringTransport())
         first.connectionLost(Failure(ConnectionDone()))
         self.assertIsInstance(site.buildProtocol(None), FastChannel, "a place is free again")
+
+
+class BigBodyTests(SynchronousTestCase):
+    def test_a_body_in_many_reads_is_joined_once(self) -> None:
+        route = Route()
+        site = GuardedSite(SlowPath(), reactor=Clock(), max_body_bytes=1 << 20, fast_routes={b"/fast": route})
+        channel = site.buildProtocol(None)
+        channel.makeConnection(StringTransport())
+        body = b'{"model": "m", "prompt": "' + b"x" * 300_000 + b'"}'
+        raw = post(body=body) + post()  # and a pipelined one behind it
+        for i in range(0, len(raw), 4096):
+            channel.dataReceived(raw[i:i + 4096])
+        self.assertEqual([r.content.read() for r in route.requests], [body])
+        route.results[0].callback(b"ok")
+        self.assertEqual([r.content.read() for r in route.requests], [body, BODY])
+        channel.connectionLost(Failure(ConnectionDone()))
