@@ -83,6 +83,12 @@ def _canonical(name: bytes, _cache: Dict[bytes, bytes] = {}) -> bytes:  # noqa: 
     return canonical
 
 
+def _one_line(text: bytes) -> bytes:
+    if b"\n" in text or b"\r" in text:
+        return text.replace(b"\r\n", b" ").replace(b"\r", b" ").replace(b"\n", b" ")
+    return text
+
+
 class ResponseHeaders:
     """The response headers: the three methods of ``Headers`` the proxy uses,
     kept as ``{lower-case name: [values]}``."""
@@ -93,7 +99,9 @@ class ResponseHeaders:
         self._headers: Dict[bytes, List[bytes]] = {}
 
     def setRawHeaders(self, name: bytes, values: List[bytes]) -> None:  # noqa: N802 - Headers' name
-        self._headers[name.lower()] = list(values)
+        # A line break in a name or value would end the head early (response
+        # splitting): replaced by a space, as twisted.web's Headers do.
+        self._headers[_one_line(name).lower()] = [_one_line(v) for v in values]
 
     def removeHeader(self, name: bytes) -> None:  # noqa: N802 - Headers' name
         self._headers.pop(name.lower(), None)

@@ -304,3 +304,25 @@ class BigBodyTests(SynchronousTestCase):
         route.results[0].callback(b"ok")
         self.assertEqual([r.content.read() for r in route.requests], [body, BODY])
         channel.connectionLost(Failure(ConnectionDone()))
+
+
+class HeaderTests(SynchronousTestCase):
+    def test_no_line_break_reaches_the_head(self) -> None:
+        route = Route()
+        site = GuardedSite(SlowPath(), reactor=Clock(), fast_routes={b"/fast": route})
+        channel = site.buildProtocol(None)
+        transport = StringTransport()
+        channel.makeConnection(transport)
+        channel.dataReceived(post())
+        request = route.requests[0]
+        request.responseHeaders.setRawHeaders(b"X-From-Child", [b"a\r\nSet-Cookie: evil", b"b\nc", b"d\re"])
+        request.setHeader(b"x-bad\nname", b"v")
+        route.results[0].callback(b"ok")
+        head = transport.value().split(b"\r\n\r\n")[0]
+        self.assertNotIn(b"\nSet-Cookie", head)
+        self.assertIn(b"X-From-Child: a Set-Cookie: evil\r\n", head)
+        self.assertIn(b"X-From-Child: b c\r\n", head)
+        self.assertIn(b"X-From-Child: d e\r\n", head)
+        self.assertIn(b"X-Bad name: v\r\n", head)
+        self.assertEqual(head.count(b"\n"), head.count(b"\r\n"))
+        channel.connectionLost(Failure(ConnectionDone()))
