@@ -251,7 +251,10 @@ class _Forward:
     def _body_ended(self, whole: bool) -> None:
         self.body_ended = True
         self._stop_timers()
-        self._relayed(whole)
+        try:
+            self._relayed(whole)
+        except Exception:  # a bug here must not leave the request waiting for ever
+            self._bug(Failure())
 
     def _got_response(self, response: IResponse) -> None:
         request = self.request

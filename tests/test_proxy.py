@@ -24,6 +24,7 @@ from twisted.web.test.requesthelper import DummyRequest
 from zope.interface import implementer
 
 from rolemesh import errors
+import rolemesh.proxy as proxy_module
 from rolemesh.proxy import (
     CLIENT_GONE,
     COMPLETE,
@@ -388,6 +389,29 @@ class UpstreamFailureTests(ProxyTestCase):
         self.agent.last.fail(ResponseFailed([Failure(ConnectionLost())]))
         self.assertEqual(self.failureResultOf(d, errors.ApiError).value.status, 502)
         self.assertEqual(len(self.agent.attempts), 1)
+
+    def test_a_bug_in_the_bookkeeping_still_ends_the_request(self) -> None:
+        """Never lose a request silently: a failure in handling the answer is
+        logged and the request gets an answer."""
+        def broken(response: Any) -> None:
+            raise RuntimeError("bug")
+
+        self.patch(proxy_module._Forward, "_got_response", lambda self, response: broken(response))
+        d = self.forward()
+        self.agent.last.respond(FakeResponse())
+        self.assertEqual(self.failureResultOf(d, errors.ApiError).value.status, 502)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+    def test_a_bug_at_the_end_of_the_body_still_ends_the_request(self) -> None:
+        def broken(whole: bool) -> None:
+            raise RuntimeError("bug")
+
+        self.patch(proxy_module._Forward, "_relayed", lambda self, whole: broken(whole))
+        d = self.forward()
+        response = self.agent.last.respond(FakeResponse())
+        response.finish()
+        self.assertEqual(self.failureResultOf(d, errors.ApiError).value.status, 502)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
 
     def test_client_gone_when_upstream_ends_is_client_gone(self) -> None:
         d = self.forward(streaming=True)
