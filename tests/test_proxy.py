@@ -23,8 +23,8 @@ from twisted.web.iweb import UNKNOWN_LENGTH
 from twisted.web.test.requesthelper import DummyRequest
 from zope.interface import implementer
 
-from rolemesh import errors
 import rolemesh.proxy as proxy_module
+from rolemesh import errors
 from rolemesh.proxy import (
     CLIENT_GONE,
     COMPLETE,
