@@ -56,10 +56,11 @@ from bench.proxy_overhead import (  # noqa: E402 - after the path set-up
     MODEL_ID,
     Client,
     Processes,
+    agent_command,
     chat_body,
     free_port,
     run_in_workdir,
-    tail,
+    start_agent,
     wait_http,
 )
 
@@ -227,13 +228,8 @@ def start_before(args: argparse.Namespace, procs: Processes, workdir: str, confi
     # Not PYTHONPATH with -m: -m puts the working directory (this tree) first.
     run_before = (f"import sys; sys.path.insert(0, {os.path.abspath(args.before)!r}); import rolemesh.cli; "
                   "sys.exit(rolemesh.cli.main(sys.argv[1:]))")
-    proc = procs.start([sys.executable, "-c", run_before, "--config", path], log)
-    wait_http(port, "/health", proc, log)
-    client = Client(port)
-    status, _, _, data = client.post(PATH, chat_body(1, False))
-    if status != 200:
-        raise RuntimeError(f"warm-up through the --before agent failed: HTTP {status}\n{tail(log)}")
-    procs.extra_pids.append(json.loads(client.get("/v1/node/inventory")[1])["devices"][0]["pid"])
+    proc, client, _ = start_agent(procs, [sys.executable, "-c", run_before, "--config", path], port, log,
+                                  "--before agent")
     client.close()
     return port, proc.pid
 
@@ -267,19 +263,9 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
             **({"stream_coalesce_ms": args.coalesce_ms} if args.coalesce_ms else {}),
         }, f, indent=1)
     agent_log = os.path.join(workdir, "agent.log")
-    argv = [sys.executable]
-    if args.profile_agent:
-        argv += [os.path.join(ROOT, "bench", "cpu_profile.py"), os.path.abspath(args.profile_agent)]
-    agent = procs.start(argv + ["-m", args.agent_module, "--config", config_path], agent_log)
-    wait_http(agent_port, "/health", agent, agent_log)
-    agent_client = Client(agent_port)
-    status, _, _, data = agent_client.post(PATH, chat_body(1, False))
-    if status != 200:
-        raise RuntimeError(f"warm-up through the agent failed: HTTP {status} {data[:300]!r}\n{tail(agent_log)}")
-    status, data = agent_client.get("/v1/node/inventory")
-    device = json.loads(data)["devices"][0]
+    agent, agent_client, device = start_agent(
+        procs, agent_command(args.profile_agent, args.agent_module, config_path), agent_port, agent_log)
     llama_port, llama_pid = device["port"], device["pid"]
-    procs.extra_pids.append(llama_pid)
 
     relay_port = free_port()
     relay_log = os.path.join(workdir, "relay.log")

@@ -264,6 +264,32 @@ def tail(path: str, n: int = 4000) -> str:
         return ""
 
 
+def agent_command(profile: Optional[str], module: str, config_path: str) -> List[str]:
+    """The agent's command line: ``python -m MODULE --config PATH``, under
+    ``cpu_profile.py`` (cProfile with a CPU-time clock) when ``profile`` names
+    the stats file."""
+    argv = [sys.executable]
+    if profile:
+        argv += [os.path.join(ROOT, "bench", "cpu_profile.py"), os.path.abspath(profile)]
+    return argv + ["-m", module, "--config", config_path]
+
+
+def start_agent(procs: "Processes", argv: List[str], port: int, log_path: str,
+                what: str = "agent") -> Tuple[subprocess.Popen, "Client", Dict[str, Any]]:
+    """Start an agent, wait for ``/health`` and warm it up with one request;
+    its llama-server child is stopped with the rest.  Returns the process, a
+    client, and the device entry of its inventory."""
+    proc = procs.start(argv, log_path)
+    wait_http(port, "/health", proc, log_path)
+    client = Client(port)
+    status, _, _, data = client.post("/v1/chat/completions", chat_body(1, False))
+    if status != 200:
+        raise RuntimeError(f"warm-up through the {what} failed: HTTP {status} {data[:300]!r}\n{tail(log_path)}")
+    device = json.loads(client.get("/v1/node/inventory")[1])["devices"][0]
+    procs.extra_pids.append(device["pid"])
+    return proc, client, device
+
+
 # --------------------------------------------------------------------------
 # the measurements
 
@@ -386,16 +412,9 @@ def telemetry_on_off(args: argparse.Namespace, procs: Processes, workdir: str, b
                             **({"threads": args.llama_threads} if args.llama_threads else {})}],
             }, f, indent=1)
         log_path = os.path.join(workdir, f"agent-telemetry-{mode}.log")
-        proc = procs.start([sys.executable, "-c", TELEMETRY_AGENT, mode, str(args.telemetry_interval),
-                            "--config", config_path], log_path)
-        wait_http(port, "/health", proc, log_path)
-        client = Client(port)
-        status, _, _, data = client.post(path, chat_body(1, False))
-        if status != 200:
-            raise RuntimeError(f"warm-up through the {mode} agent failed: HTTP {status}\n{tail(log_path)}")
-        status, data = client.get("/v1/node/inventory")
-        procs.extra_pids.append(json.loads(data)["devices"][0]["pid"])
-        clients[mode] = client
+        _, clients[mode], _ = start_agent(
+            procs, [sys.executable, "-c", TELEMETRY_AGENT, mode, str(args.telemetry_interval), "--config", config_path],
+            port, log_path, f"{mode} agent")
     interleaved(clients, 20, path, chat_body(1, False), False, False)
     lat = interleaved(clients, args.telemetry_rounds, path, chat_body(1, False), False, False)
     ttfb = interleaved(clients, args.telemetry_rounds, path, chat_body(4, True), True, True)
@@ -455,20 +474,9 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
         }, f, indent=1)
 
     agent_log = os.path.join(workdir, "agent.log")
-    agent_argv = [sys.executable]
-    if args.profile_agent:
-        agent_argv += ["-m", "cProfile", "-o", os.path.abspath(args.profile_agent)]
-    agent_argv += ["-m", args.agent_module, "--config", config_path]
-    agent = procs.start(agent_argv, agent_log)
-    wait_http(agent_port, "/health", agent, agent_log)
-    agent_client = Client(agent_port)
-    status, _, _, data = agent_client.post("/v1/chat/completions", chat_body(1, False))
-    if status != 200:
-        raise RuntimeError(f"warm-up through the agent failed: HTTP {status} {data[:300]!r}\n{tail(agent_log)}")
-    status, data = agent_client.get("/v1/node/inventory")
-    device = json.loads(data)["devices"][0]
+    agent, agent_client, device = start_agent(
+        procs, agent_command(args.profile_agent, args.agent_module, config_path), agent_port, agent_log)
     llama_port, llama_pid = device["port"], device["pid"]
-    procs.extra_pids.append(llama_pid)
 
     relay_log = os.path.join(workdir, "relay.log")
     relay = procs.start([sys.executable, os.path.join(ROOT, "bench", "bare_relay.py"), "--port", str(relay_port),
@@ -600,7 +608,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--telemetry-interval", type=float, default=0.25,
                         help="(e) seconds between telemetry samples of the 'on' agent (default 0.25)")
     parser.add_argument("--agent-log-format", choices=("text", "json"), default="text")
-    parser.add_argument("--profile-agent", metavar="FILE", help="run the agent under cProfile, stats to FILE")
+    parser.add_argument("--profile-agent", metavar="FILE",
+                        help="run the agent under bench/cpu_profile.py, stats to FILE")
     parser.add_argument("--agent-module", default="rolemesh.cli", metavar="MODULE",
                         help="module run as the agent with -m (default rolemesh.cli; for what-if experiments: "
                              "a module that patches something, then calls rolemesh.cli.main)")
