@@ -81,12 +81,13 @@ def announces_ready(line: bytes) -> bool:
 _IMPORTANT_PARTS = (b" e ", b"error", b"failed", b"assert", b"abort")
 
 
-def to_log(lines: List[bytes], serving: bool) -> List[int]:
+def to_log(lines: List[bytes], serving: bool, read: Optional[bytes] = None) -> List[int]:
     """Which of one read's lines go to the log (see :func:`worth_logging`),
-    looking at the read once instead of at each line."""
+    looking at the read once (``read``: the lines joined by newlines, when
+    the caller has it) instead of at each line."""
     if serving:
-        read = b"\n".join(lines).lower()
-        if not any(part in read for part in _IMPORTANT_PARTS):
+        low = (b"\n".join(lines) if read is None else read).lower()
+        if not any(part in low for part in _IMPORTANT_PARTS):
             return []
     return [i for i, line in enumerate(lines) if worth_logging(line, serving)]
 

@@ -350,8 +350,8 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         """
         if self._closing:
             return defer.fail(errors.shutting_down())
-        endpoint = self.endpoint
-        if endpoint is not None and self.model == model:
+        endpoint = self.serving(model)
+        if endpoint is not None:
             return defer.succeed(endpoint)
         wait = self.policy.backing_off(model.model_id, self.reactor.seconds())
         if self.state in (FAILED, STOPPED) and wait > 0:
@@ -559,9 +559,10 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
     def child_output(self, child: ChildProcess, fd: int, lines: List[bytes]) -> None:
         # Every line goes to the ring buffer (the logs endpoint, error tails);
         # decoded at once (a newline is never inside a UTF-8 sequence).
-        texts = b"\n".join(lines).decode("utf-8", "replace").split("\n")
+        read = b"\n".join(lines)
+        texts = read.decode("utf-8", "replace").split("\n")
         self.output.extend(texts)
-        logged = to_log(lines, serving=self.state == READY)
+        logged = to_log(lines, serving=self.state == READY, read=read)
         if logged:
             model = self.model.model_id if self.model else None
             for i in logged:
