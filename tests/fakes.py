@@ -185,3 +185,20 @@ def make_config(models: Sequence[Dict[str, Any]] = (), **top: Any) -> NodeConfig
 
 def model(config: NodeConfig, model_id: str) -> ModelConfig:
     return config.model(model_id)
+
+
+def stub_answer(treq: Any, d: "defer.Deferred[Any]") -> Tuple[Any, bytes]:
+    """The response and whole body of a request sent through a
+    ``treq.testing.StubTreq``: flushed until both are there."""
+    treq.flush()
+    results: List[Any] = []
+    d.addBoth(results.append)
+    assert results, "no response yet"
+    response = results[0]
+    if not hasattr(response, "code"):
+        response.raiseException()
+    bodies: List[Any] = []
+    treq.content(response).addBoth(bodies.append)
+    treq.flush()
+    assert bodies and isinstance(bodies[0], bytes), bodies
+    return response, bodies[0]

@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import yaml
 from treq.testing import StubTreq
@@ -17,7 +17,7 @@ from twisted.internet import defer
 
 from rolemesh.service import NodeAgentService, make_service
 from rolemesh.supervisor import DeviceSupervisor
-from tests.fakes import FakeBackend, FakeProbe, GroupSignals, ProcessReactor
+from tests.fakes import FakeBackend, FakeProbe, GroupSignals, ProcessReactor, stub_answer
 
 BINARY = "/opt/llama/llama-server"
 
@@ -110,18 +110,9 @@ class ServiceHarness:
     def call(self, method: str, path: str, body: Any = None, key: Optional[str] = None) -> Any:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         data = json.dumps(body).encode() if body is not None else None
-        d = self.treq.request(method, "http://node.test" + path, data=data, headers=headers)
-        self.treq.flush()
-        results: List[Any] = []
-        d.addBoth(results.append)
-        assert results, "no response yet"
-        response = results[0]
-        if not hasattr(response, "code"):
-            response.raiseException()
-        content: List[Any] = []
-        self.treq.content(response).addBoth(content.append)
-        self.treq.flush()
-        return response.code, json.loads(content[0]) if content[0] else None
+        response, body = stub_answer(self.treq, self.treq.request(method, "http://node.test" + path, data=data,
+                                                                 headers=headers))
+        return response.code, json.loads(body) if body else None
 
     # -- children --------------------------------------------------------------------
 

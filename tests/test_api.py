@@ -16,6 +16,7 @@ from rolemesh.errors import ApiError
 from rolemesh.listener import GuardedSite
 from rolemesh.proxy import Proxy
 from rolemesh.supervisor import READY, STARTING, STOPPING
+from tests.fakes import stub_answer
 from tests.test_node import NodeHarness
 from tests.test_proxy import Attempt, FakeAgent, FakeResponse
 
@@ -105,19 +106,7 @@ class ApiHarness:
         return self.treq.request(method, "http://node.test" + path, data=body, headers=headers)
 
     def finish(self, d: defer.Deferred) -> Answer:
-        self.treq.flush()
-        results: List[Any] = []
-        d.addBoth(results.append)
-        assert results, "no response yet"
-        response = results[0]
-        if not hasattr(response, "code"):
-            response.raiseException()
-        content = self.treq.content(response)
-        self.treq.flush()
-        bodies: List[Any] = []
-        content.addBoth(bodies.append)
-        assert bodies and isinstance(bodies[0], bytes), bodies
-        return Answer(response, bodies[0])
+        return Answer(*stub_answer(self.treq, d))
 
     def call(self, method: str, path: str, body: Any = None, **kw: Any) -> Answer:
         return self.finish(self.send(method, path, body, **kw))
