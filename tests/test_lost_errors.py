@@ -46,6 +46,16 @@ class ShutdownStepTests(SynchronousTestCase):
         self.h.answer("tiny")
         [self.child] = self.h.live_children()
 
+    def stopped(self) -> str:
+        """Stop the agent (its child exits); the stop completes; what it logged."""
+        done: List[Any] = []
+        with capturedLogs() as events:
+            self.h.stop().addBoth(done.append)
+            self.child.exit(0)
+            self.h.reactor.advance(0)
+        self.assertEqual(done, [None])
+        return text_of(events)
+
     def test_a_failing_step_is_logged_and_the_children_still_stop(self) -> None:
         listener = self.h.root.listener
         assert listener is not None
@@ -54,25 +64,13 @@ class ShutdownStepTests(SynchronousTestCase):
             raise RuntimeError("listener would not close")
 
         listener.stopService = stop_listener  # type: ignore[method-assign]
-        done: List[Any] = []
-        with capturedLogs() as events:
-            self.h.stop().addBoth(done.append)
-            self.child.exit(0)
-            self.h.reactor.advance(0)
-        self.assertEqual(done, [None])
-        self.assertIn("shutdown: closing the listener failed; going on", text_of(events))
+        self.assertIn("shutdown: closing the listener failed; going on", self.stopped())
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
         self.assertFalse(self.h.root.node.running, "the children were stopped all the same")
 
     def test_a_failing_drain_is_logged_and_the_stop_goes_on(self) -> None:
         self.h.root.node.drain = lambda grace: defer.fail(ValueError("drain broke"))  # type: ignore[method-assign]
-        done: List[Any] = []
-        with capturedLogs() as events:
-            self.h.stop().addBoth(done.append)
-            self.child.exit(0)
-            self.h.reactor.advance(0)
-        self.assertEqual(done, [None])
-        self.assertIn("shutdown: the drain failed; stopping anyway", text_of(events))
+        self.assertIn("shutdown: the drain failed; stopping anyway", self.stopped())
         self.assertEqual(len(self.flushLoggedErrors(ValueError)), 1)
 
     def test_a_failing_report_at_the_deadline_still_exits(self) -> None:
