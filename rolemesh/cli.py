@@ -7,6 +7,7 @@ command never shows a traceback for bad input.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple, cast
 
@@ -18,6 +19,7 @@ from rolemesh.config import NodeConfig, as_dict, load_config
 from rolemesh.devices import DeviceRef
 from rolemesh.errors import ConfigError
 from rolemesh.llama_args import build_argv
+from rolemesh.llama_build import DEVICE_PREFIXES, check_gpu_support
 from rolemesh.llama_build import describe as describe_build
 
 PROG = "rolemesh-node-agent"
@@ -50,6 +52,10 @@ def check_report(config: NodeConfig, out: TextIO) -> None:
     out.write(f"\n# backend: {choice.backend.name} ({choice.reason})\n")
     fine, about = describe_build(binary)
     out.write(f"# {about}\n" if fine else f"# WARNING: {about}\n")
+    if choice.backend.name in DEVICE_PREFIXES and choice.devices:
+        env = choice.backend.child_environment(choice.devices[0], os.environ)
+        fine, about = check_gpu_support(choice.backend.name, binary, env)
+        out.write(f"# {about}\n" if fine else f"# WARNING: {about}\n")
     out.write("# devices: " + ", ".join(d.name for d in choice.devices) + "\n")
     for line in tls:
         out.write(f"# tls: {line}\n")

@@ -407,7 +407,7 @@ def make_service(
     backend, devices = _backend_and_devices(config, reactor, backend, devices)
     names = [d.name for d in devices]
     check_service_config(config, names)
-    binary = binary if binary is not None else _llama_server(config)
+    binary = binary if binary is not None else _llama_server(config, backend, devices)
     supervisors = _supervisors(config, backend, devices, binary, supervisor_factory or DeviceSupervisor, reactor)
     node = _node(config, backend, devices, supervisors, reactor)
     max_parallel = max([m.parallel for m in config.models] or [1])
@@ -439,11 +439,16 @@ def _backend_and_devices(
     return backend, devices
 
 
-def _llama_server(config: NodeConfig) -> str:
-    """The llama-server binary the config names or the one installed; says which build it is."""
+def _llama_server(config: NodeConfig, backend: IDeviceBackend, devices: Sequence[DeviceRef]) -> str:
+    """The llama-server binary the config names or the one installed; says
+    which build it is and whether it can use the backend's devices."""
     binary = resolve_binary(config)
     fine, about = llama_build.describe(binary)
     (log.info if fine else log.warn)("{about}", about=about)
+    if backend.name in llama_build.DEVICE_PREFIXES and devices:
+        env = backend.child_environment(devices[0], os.environ)
+        fine, about = llama_build.check_gpu_support(backend.name, binary, env)
+        (log.info if fine else log.warn)("{about}", about=about)
     return binary
 
 

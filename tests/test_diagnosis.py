@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh import diagnosis, llama_build
+from rolemesh.backends.commands import ToolTimeout
 from rolemesh.diagnosis import Exit
+from tests.backend_fakes import fixture
 
 PATH = "/srv/models/secret-dir/model.gguf"
 
@@ -104,3 +106,89 @@ class BuildNoteTests(SynchronousTestCase):
         fine, text = llama_build.describe(path)
         self.assertTrue(fine)
         self.assertIn("built outside this project", text)
+
+
+class GpuSupportTests(SynchronousTestCase):
+    """Whether the llama-server build can use the chosen backend's devices
+    (``--list-devices``), judged before any child starts."""
+
+    BIN = "/opt/llama/llama-server"
+    #: The printf format of llama.cpp's common/arg.cpp, two backends at once.
+    MIXED = ("ggml_cuda_init: found 1 CUDA devices:\n"
+             "Available devices:\n"
+             "  CUDA0: NVIDIA H100 80GB HBM3 (81090 MiB, 80562 MiB free)\n"
+             "  Vulkan0: NVIDIA H100 80GB HBM3 (81559 MiB, 81559 MiB free)\n")
+
+    def test_a_cpu_build_lists_none(self) -> None:
+        text = fixture("llama_server_list_devices_cpu_build.txt")
+        self.assertEqual(llama_build.parse_list_devices(text), [])
+
+    def test_devices_are_parsed_with_their_memory(self) -> None:
+        listed = llama_build.parse_list_devices(self.MIXED)
+        self.assertEqual(listed, [
+            llama_build.ListedDevice("CUDA0", "NVIDIA H100 80GB HBM3", 81090, 80562),
+            llama_build.ListedDevice("Vulkan0", "NVIDIA H100 80GB HBM3", 81559, 81559),
+        ])
+
+    def test_output_without_a_list_is_none(self) -> None:
+        self.assertIsNone(llama_build.parse_list_devices("error: invalid argument: --list-devices\n"))
+
+    def test_a_build_with_the_backend_is_fine_and_named(self) -> None:
+        fine, text = llama_build.gpu_support("cuda", self.BIN, llama_build.parse_list_devices(self.MIXED))
+        self.assertTrue(fine)
+        self.assertEqual(text, f"llama-server {self.BIN} sees CUDA0 (NVIDIA H100 80GB HBM3, 81090 MiB)")
+        fine, text = llama_build.gpu_support("vulkan", self.BIN, llama_build.parse_list_devices(self.MIXED))
+        self.assertTrue(fine)
+        self.assertIn("Vulkan0", text)
+
+    def test_a_cpu_build_on_a_gpu_backend_is_a_warning_that_says_how_to_fix_it(self) -> None:
+        for backend, switch in (("cuda", "-DGGML_CUDA=ON"), ("rocm", "-DGGML_HIP=ON"), ("sycl", "-DGGML_SYCL=ON")):
+            fine, text = llama_build.gpu_support(backend, self.BIN, [])
+            self.assertFalse(fine)
+            self.assertIn(f"has no {backend} support (its devices: none)", text)
+            self.assertIn("would run on the CPU", text)
+            self.assertIn(f"ROLEMESH_LLAMA_CMAKE_ARGS={switch} scripts/install-llama-server.sh", text)
+        fine, text = llama_build.gpu_support("rocm", self.BIN, llama_build.parse_list_devices(self.MIXED))
+        self.assertFalse(fine)
+        self.assertIn("its devices: CUDA0, Vulkan0", text)
+
+    def test_an_unreadable_listing_is_a_warning(self) -> None:
+        fine, text = llama_build.gpu_support("cuda", self.BIN, None)
+        self.assertFalse(fine)
+        self.assertIn("is unknown", text)
+
+    def test_the_cpu_backend_needs_no_listing(self) -> None:
+        def run(*args: object, **kw: object) -> None:
+            raise AssertionError("ran llama-server for the cpu backend")
+
+        self.assertTrue(llama_build.check_gpu_support("cpu", self.BIN, run=run)[0])
+
+    def test_the_listing_runs_with_the_childs_environment(self) -> None:
+        calls = []
+
+        def run(argv, timeout, env=None):
+            calls.append((tuple(argv), env))
+            return 0, self.MIXED, ""
+
+        fine, _ = llama_build.check_gpu_support("cuda", self.BIN, {"CUDA_VISIBLE_DEVICES": "0"}, run=run)
+        self.assertTrue(fine)
+        self.assertEqual(calls, [((self.BIN, "--list-devices"), {"CUDA_VISIBLE_DEVICES": "0"})])
+
+    def test_a_binary_that_cannot_run_is_a_warning(self) -> None:
+        def run(argv, timeout, env=None):
+            raise ToolTimeout("/opt/llama/llama-server: no answer within 30s; killed")
+
+        fine, text = llama_build.check_gpu_support("cuda", self.BIN, run=run)
+        self.assertFalse(fine)
+        self.assertIn("could not list its devices", text)
+
+    @given(st.text(max_size=300), st.sampled_from(sorted(llama_build.DEVICE_PREFIXES)))
+    def test_any_output_gives_one_line(self, text: str, backend: str) -> None:
+        listed = llama_build.parse_list_devices("Available devices:\n" + text)
+        assert listed is not None
+        for device in listed:
+            self.assertTrue(device.name and not any(c.isspace() for c in device.name))
+        fine, line = llama_build.gpu_support(backend, self.BIN, listed)
+        self.assertIsInstance(fine, bool)
+        self.assertTrue(line)
+        self.assertNotIn("\n", line)

@@ -1,0 +1,297 @@
+"""The ``cuda`` backend on a real NVIDIA GPU (skipped on a host without one).
+
+Where NVML finds a GPU:
+
+- discovery through NVML and through ``nvidia-smi`` name the same devices
+  (index, uuid, memory) and a sample reads the same figures both ways;
+
+and, with a CUDA build of llama-server (``ROLEMESH_TEST_LLAMA_SERVER``, or
+the installed one when its ``--list-devices`` shows a CUDA device), the
+agent as a process with ``backend: cuda``:
+
+- sees the build's CUDA devices at start-up (no "no cuda support" warning);
+- starts the child for ``gpu:0`` pinned (``CUDA_VISIBLE_DEVICES=0``,
+  ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` in its environment), the child reports
+  exactly one CUDA device and puts the model's buffers on it, and NVML lists
+  the child's pid among the GPU's compute processes;
+- answers a chat completion and a stream from the GPU;
+- reports the GPU in its inventory, busy while eight streams run;
+- holds the memory estimate to what the child allocated on the GPU (the
+  logged buffers), and prints what the CUDA context adds on top of them.
+
+``scripts/gpu-check.sh`` runs this module on a GPU host and keeps the output.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import threading
+import time
+from typing import Any, List, Optional
+
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
+
+from rolemesh.backends.commands import run_sync
+from rolemesh.backends.cuda import (
+    NVIDIA_SMI_QUERY,
+    CudaBackend,
+    import_pynvml,
+    nvml_readings,
+    parse_nvidia_smi_csv,
+)
+from rolemesh.llama_build import check_gpu_support, parse_list_devices
+from tests.fixtures.llama import LLAMA_SERVER_ENV, llama_server_binary
+from tests.fixtures.tiny_gguf import write_tiny_gguf
+from tests.integration.harness import AgentProcess, require_llama_server, wait_until
+from tests.integration.test_estimate_real import logged_buffers
+
+MIB = 1 << 20
+BACKEND, DEVICE, BUFFER = "cuda", "gpu:0", "CUDA0"
+#: head size 128 (n_embd 256, 2 heads): a size CUDA's flash-attention kernels have.
+GPU_MODEL = {"n_embd": 256, "n_head": 2, "n_ff": 512, "n_layer": 4, "n_ctx": 4096}
+
+
+def nvml() -> Any:
+    """Initialised pynvml, or SkipTest when there is no NVIDIA GPU here."""
+    try:
+        module = import_pynvml()
+        module.nvmlInit()
+    except Exception as e:  # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded
+        raise SkipTest(f"no NVIDIA GPU here (NVML: {type(e).__name__}: {e})")
+    if module.nvmlDeviceGetCount() == 0:
+        raise SkipTest("NVML finds no NVIDIA GPU")
+    return module
+
+
+def cuda_llama_server() -> str:
+    """A llama-server built with CUDA, or SkipTest."""
+    binary = llama_server_binary()
+    if binary is None:
+        raise SkipTest(f"no llama-server (set {LLAMA_SERVER_ENV} to a CUDA build)")
+    out = subprocess.run([binary, "--list-devices"], capture_output=True, text=True, timeout=60).stdout
+    listed = parse_list_devices(out) or []
+    if not any(d.name.startswith("CUDA") for d in listed):
+        raise SkipTest(f"{binary} is not a CUDA build (--list-devices: {out.strip()!r}); "
+                       f"set {LLAMA_SERVER_ENV} to one")
+    return binary
+
+
+class Stream(threading.Thread):
+    """One long streamed completion through the agent until ``stop()``."""
+
+    def __init__(self, port: int, model: str) -> None:
+        super().__init__(daemon=True)
+        self.port, self.model = port, model
+        self.first, self.stopping = threading.Event(), threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        body = {"model": self.model, "prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            conn.request("POST", "/v1/completions", body=json.dumps(body),
+                         headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            while not self.stopping.is_set():
+                line = response.readline()
+                if not line:
+                    break
+                if line.startswith(b"data:"):
+                    self.first.set()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.first.set()
+            conn.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+
+class BuildCheckTests(SynchronousTestCase):
+    """The start-up check against the real llama-server here, whatever its build."""
+
+    def test_the_check_matches_what_the_build_lists(self) -> None:
+        binary = require_llama_server()
+        listed = parse_list_devices(subprocess.run([binary, "--list-devices"], capture_output=True, text=True,
+                                                   timeout=60).stdout)
+        self.assertIsNotNone(listed)
+        fine, line = check_gpu_support("cuda", binary)
+        print(f"\n{line}")
+        self.assertEqual(fine, any(d.name.startswith("CUDA") for d in listed or []))
+        self.assertIn("sees CUDA" if fine else "has no cuda support", line)
+
+
+class DiscoveryTests(SynchronousTestCase):
+    """NVML and nvidia-smi agree about the GPUs on this host."""
+
+    def setUp(self) -> None:
+        self.nvml = nvml()
+        self.addCleanup(self.nvml.nvmlShutdown)
+
+    def test_nvml_and_nvidia_smi_name_the_same_devices(self) -> None:
+        by_nvml = CudaBackend()
+        by_smi = CudaBackend(load_nvml=None)
+        found = by_nvml.discover()
+        self.addCleanup(by_nvml.close)
+        listed = by_smi.discover()
+        print("\nNVML:", [d.to_json() for d in found], "\nnvidia-smi:", [d.to_json() for d in listed])
+        self.assertEqual(by_nvml.source, "nvml")
+        self.assertEqual(by_smi.source, "nvidia-smi")
+        self.assertEqual([(d.name, d.index, d.uuid) for d in found], [(d.name, d.index, d.uuid) for d in listed])
+        for a, b in zip(found, listed):
+            self.assertTrue(a.uuid and a.uuid.startswith(("GPU-", "MIG-")), a)
+            self.assertIn("NVIDIA", a.model or "")
+            # nvidia-smi says MiB; NVML says bytes
+            self.assertLess(abs((a.memory_total_bytes or 0) - (b.memory_total_bytes or 0)), MIB, (a, b))
+
+    def test_a_sample_reads_the_same_memory_both_ways(self) -> None:
+        backend = CudaBackend()
+        devices = backend.discover()
+        self.addCleanup(backend.close)
+        readings = nvml_readings(self.nvml, devices, {})
+        smi = {r.index: r for r in parse_nvidia_smi_csv(run_sync(NVIDIA_SMI_QUERY)[1])}
+        for reading in readings:
+            assert not isinstance(reading, str), reading
+            other = smi[reading.index]
+            print(f"\ngpu:{reading.index} NVML {reading}\n      nvidia-smi {other}")
+            self.assertEqual(reading.memory_total_bytes // MIB, (other.memory_total_bytes or 0) // MIB)
+            used = reading.memory_used_bytes or 0
+            self.assertLess(abs(used - (other.memory_used_bytes or 0)), 64 * MIB, (reading, other))
+            self.assertIsNotNone(reading.utilization_pct)
+            self.assertIsNotNone(reading.temperature_c)
+
+
+class AgentOnGpuTests(SynchronousTestCase):
+    """The agent, ``backend: cuda``, serving a model from ``gpu:0``."""
+
+    def setUp(self) -> None:
+        self.nvml = nvml()
+        self.addCleanup(self.nvml.nvmlShutdown)
+        self.binary = cuda_llama_server()
+        self.dir = os.path.abspath(self.mktemp())
+        os.makedirs(self.dir)
+        path = write_tiny_gguf(os.path.join(self.dir, "gpu.gguf"), name="gpu", **GPU_MODEL)
+        quant = write_tiny_gguf(os.path.join(self.dir, "gpu-q4.gguf"), name="gpu-q4", quant="Q4_0", **GPU_MODEL)
+        verbose = {"log-verbosity": 4}
+        self.agent = AgentProcess(self.dir, {
+            "backend": BACKEND,
+            "devices": [DEVICE],
+            "llama_server_bin": self.binary,
+            "llama_server_startup_timeout_s": 120,
+            "models": [
+                {"model_id": "gpu", "path": path, "ctx_size": 4096, "server_args": {"parallel": 8, **verbose}},
+                {"model_id": "gpu-q4", "path": quant, "ctx_size": 4096, "server_args": dict(verbose)},
+            ],
+        }, env={"CUDA_VISIBLE_DEVICES": ""})  # the agent's own pin must not leak into its child's
+        self.addCleanup(self.agent.stop)
+
+    def chat(self, model: str, stream: bool = False) -> Any:
+        body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16,
+                "stream": stream}
+        return self.agent.request("POST", "/v1/chat/completions", body, timeout=120)
+
+    def child_lines(self) -> List[str]:
+        status, _, raw = self.agent.request("GET", f"/v1/node/devices/{DEVICE}/logs?tail=1000")
+        self.assertEqual(status, 200, raw)
+        return json.loads(raw)["lines"]
+
+    def assert_build_sees_the_gpu(self, log: str) -> None:
+        self.assertNotIn("has no cuda support", log)
+        self.assertRegex(log, r"sees CUDA0 \(")
+
+    def assert_pinned(self, pid: int) -> None:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        self.assertEqual(env.get(b"CUDA_VISIBLE_DEVICES"), b"0")
+        self.assertEqual(env.get(b"CUDA_DEVICE_ORDER"), b"PCI_BUS_ID")
+
+    def assert_on_the_gpu(self, lines: List[str]) -> None:
+        text = "\n".join(lines)
+        self.assertRegex(text, r"found 1 CUDA devices")
+        self.assertRegex(text, BUFFER + " model buffer size")
+
+    def test_pinned_child_serves_from_the_gpu(self) -> None:
+        self.assert_build_sees_the_gpu(self.agent.log_text())
+        status, _, raw = self.chat("gpu")
+        self.assertEqual(status, 200, raw)
+        self.assertTrue(json.loads(raw)["choices"][0]["message"]["content"] is not None)
+
+        inventory = self.agent.inventory()
+        print("\ninventory:", json.dumps(inventory, indent=1)[:6000])
+        self.assertEqual(inventory["backend"], BACKEND)
+        device = inventory["devices"][0]
+        self.assertEqual((device["device"], device["state"], device["model"]), (DEVICE, "ready", "gpu"))
+        pid = device["pid"]
+
+        self.assert_pinned(pid)
+        lines = self.child_lines()
+        print("\nchild log (CUDA lines):\n" + "\n".join(line for line in lines if "CUDA" in line)[:4000])
+        self.assert_on_the_gpu(lines)
+
+        handle = self.nvml.nvmlDeviceGetHandleByIndex(0)
+        processes = {p.pid: p for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        print("\nNVML compute processes:", {k: v.usedGpuMemory for k, v in processes.items()})
+        self.assertIn(pid, processes)
+
+        status, _, raw = self.chat("gpu", stream=True)
+        self.assertEqual(status, 200, raw)
+        events = [line[5:].strip() for line in raw.decode().splitlines() if line.startswith("data:")]
+        self.assertEqual(events[-1], "[DONE]", events)
+        self.assertGreater(len(events), 2, events)
+
+        status, _, raw = self.chat("gpu-q4")
+        self.assertEqual(status, 200, raw)
+        self.assertEqual(self.agent.inventory()["devices"][0]["model"], "gpu-q4")
+        self.assert_on_the_gpu(self.child_lines())
+
+    def test_estimate_against_what_the_child_allocated_on_the_gpu(self) -> None:
+        status, _, raw = self.agent.request("GET", "/v1/models")
+        estimate = {m["id"]: m["memory_estimate"] for m in json.loads(raw)["data"]}["gpu"]
+        status, _, raw = self.agent.request("POST", f"/v1/node/devices/{DEVICE}/load", {"model": "gpu"}, timeout=120)
+        self.assertEqual(status, 200, raw)
+        pid = self.agent.inventory()["devices"][0]["pid"]
+        lines = self.child_lines()
+        on_gpu = [line for line in lines if "buffer size" not in line or BUFFER in line]
+        real = logged_buffers(on_gpu, "gpu")
+        print("\nbuffer lines:\n" + "\n".join(line for line in lines if "buffer size" in line))
+        handle = self.nvml.nvmlDeviceGetHandleByIndex(0)
+        used = {p.pid: p.usedGpuMemory for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(handle)}.get(pid)
+        buffers = sum(real.values())
+        print(f"\nestimate {json.dumps(estimate)}\nlogged buffers (MiB) "
+              f"{ {k: round(v / MIB, 2) for k, v in real.items()} }\nNVML: the child uses "
+              f"{(used or 0) / MIB:.0f} MiB of GPU memory: {((used or 0) - buffers) / MIB:.0f} MiB beyond its buffers "
+              "(the CUDA context and cuBLAS workspace)")
+        self.assertGreater(real["model"], 0)
+        for part, logged in (("weights_bytes", real["model"]), ("kv_cache_bytes", real["KV"])):
+            self.assertLess(abs(estimate[part] - logged) / logged, 0.15, (part, estimate[part], logged))
+        self.assertIsNotNone(used)
+
+    def test_inventory_shows_the_gpu_busy_under_load(self) -> None:
+        status, _, raw = self.chat("gpu")
+        self.assertEqual(status, 200, raw)
+        streams = [Stream(self.agent.port, "gpu") for _ in range(8)]
+        for s in streams:
+            s.start()
+        seen: List[Optional[float]] = []
+
+        def busy() -> bool:
+            metrics = self.agent.inventory()["devices"][0]["metrics"] or {}
+            seen.append(metrics.get("utilization_pct"))
+            return bool(metrics.get("utilization_pct"))
+
+        try:
+            wait_until(lambda: all(s.first.is_set() or s.error for s in streams), 60, what="eight streams")
+            started = time.monotonic()
+            wait_until(busy, 30, interval=0.5, what="GPU utilization above 0 in the inventory")
+            print(f"\nutilization seen {seen}, above 0 after {time.monotonic() - started:.1f} s")
+        finally:
+            for s in streams:
+                s.stop()
+        self.assertEqual([s.error for s in streams], [None] * 8)
+        metrics = self.agent.inventory()["devices"][0]["metrics"]
+        self.assertGreater(metrics["memory_used_bytes"], 0)
+        self.assertRegex(self.agent.log_text(), f"backend {BACKEND}: ")
