@@ -51,7 +51,7 @@ from tests.integration.test_estimate_real import logged_buffers
 MIB = 1 << 20
 BACKEND, DEVICE, BUFFER = "cuda", "gpu:0", "CUDA0"
 #: head size 128 (n_embd 256, 2 heads): a size CUDA's flash-attention kernels have.
-GPU_MODEL = {"n_embd": 256, "n_head": 2, "n_ff": 512, "n_layer": 4, "n_ctx": 4096}
+GPU_MODEL = {"n_embd": 256, "n_head": 2, "n_ff": 512, "n_layer": 4, "n_ctx": 32768}
 
 
 def nvml() -> Any:
@@ -89,22 +89,30 @@ class Stream(threading.Thread):
         self.error: Optional[BaseException] = None
 
     def run(self) -> None:
+        try:
+            while not self.stopping.is_set():  # one stream after another: a tiny model ends them fast
+                self.one()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.first.set()
+
+    def one(self) -> None:
         body = {"model": self.model, "prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         try:
             conn.request("POST", "/v1/completions", body=json.dumps(body),
                          headers={"Content-Type": "application/json"})
             response = conn.getresponse()
+            if response.status != 200:
+                raise AssertionError(f"stream answered {response.status}: {response.read()[:300]!r}")
             while not self.stopping.is_set():
                 line = response.readline()
                 if not line:
                     break
                 if line.startswith(b"data:"):
                     self.first.set()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
         finally:
-            self.first.set()
             conn.close()
 
     def stop(self) -> None:
@@ -182,8 +190,9 @@ class AgentOnGpuTests(SynchronousTestCase):
             "devices": [DEVICE],
             "llama_server_bin": self.binary,
             "llama_server_startup_timeout_s": 120,
+            "max_pending_requests_per_device": 16,
             "models": [
-                {"model_id": "gpu", "path": path, "ctx_size": 4096, "server_args": {"parallel": 8, **verbose}},
+                {"model_id": "gpu", "path": path, "ctx_size": 8 * 4096, "server_args": {"parallel": 8, **verbose}},
                 {"model_id": "gpu-q4", "path": quant, "ctx_size": 4096, "server_args": dict(verbose)},
             ],
         }, env={"CUDA_VISIBLE_DEVICES": ""})  # the agent's own pin must not leak into its child's
