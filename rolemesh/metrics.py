@@ -27,12 +27,16 @@ metrics bug never breaks a request or a scrape.
 
 from __future__ import annotations
 
+import bisect
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import INF, floatToGoString
 from twisted.logger import Logger
 
 from rolemesh import __version__
@@ -49,6 +53,7 @@ log = Logger()
 
 #: The proxied endpoints, as the API names them in ``request`` events.
 ENDPOINTS = ("chat/completions", "completions", "embeddings")
+_ENDPOINT_NAMES = frozenset(ENDPOINTS)
 #: Label value for a model (or endpoint, or status) that is not one we know.
 UNKNOWN = "unknown"
 #: Every child state, so ``rolemesh_child_state`` has a stable set of series.
@@ -89,6 +94,105 @@ SUPERVISOR_COUNTERS: Dict[str, Tuple[str, str]] = {
 }
 
 
+#: ``status`` label values of every HTTP status code, made once.
+_STATUS_LABELS = {code: str(code) for code in range(100, 600)}
+
+
+def _created_series() -> bool:
+    """Whether ``_created`` samples are rendered (prometheus_client's switch:
+    ``PROMETHEUS_DISABLE_CREATED_SERIES``, ``disable_created_metrics()``)."""
+    return bool(getattr(prometheus_metrics, "_use_created", True))
+
+
+class _PlainCounter(Collector):
+    """A labelled counter kept as plain floats and read at scrape time: the
+    samples prometheus_client's ``Counter`` renders, one for one, without
+    its label validation and lock on every increment (it is counted once
+    per proxied request; the agent counts and scrapes on the reactor
+    thread only)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        #: label values -> [count, created (unix time, as the child's ``_created``)].
+        self.series: Dict[Tuple[str, ...], List[float]] = {}
+
+    def inc(self, labels: Tuple[str, ...]) -> None:
+        series = self.series.get(labels)
+        if series is None:
+            self.series[labels] = [1.0, time.time()]
+        else:
+            series[0] += 1.0
+
+    def describe(self) -> Iterable[Metric]:
+        return [Metric(self.name, self.documentation, "counter")]
+
+    def collect(self) -> Iterable[Metric]:
+        metric = Metric(self.name, self.documentation, "counter")
+        created = _created_series()
+        for labels, (count, when) in list(self.series.items()):
+            metric.add_sample(self.name + "_total", dict(zip(self.labelnames, labels)), count)
+            if created:
+                metric.add_sample(self.name + "_created", dict(zip(self.labelnames, labels)), when)
+        return [metric]
+
+
+class _HistogramSeries:
+    """One label set of a :class:`_PlainHistogram`."""
+
+    __slots__ = ("counts", "sum", "created")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * buckets
+        self.sum = 0.0
+        self.created = time.time()
+
+
+class _PlainHistogram(Collector):
+    """A labelled histogram kept as plain numbers and read at scrape time:
+    the samples prometheus_client's ``Histogram`` renders (cumulative
+    buckets, count, sum, created), one for one, without its two locked
+    increments and label checks per observation."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float]) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self.bounds = tuple(float(b) for b in buckets) + (INF,)
+        self._le = tuple(floatToGoString(b) for b in self.bounds)
+        #: label values -> its buckets (not cumulative), sum and creation time.
+        self.series: Dict[Tuple[str, ...], _HistogramSeries] = {}
+
+    def labels(self, labels: Tuple[str, ...]) -> _HistogramSeries:
+        """The series of ``labels``, made (all zero) if it is not there yet."""
+        series = self.series.get(labels)
+        if series is None:
+            series = self.series[labels] = _HistogramSeries(len(self.bounds))
+        return series
+
+    def observe(self, labels: Tuple[str, ...], amount: float) -> None:
+        """``amount``: a finite number (the callers check), counted in the
+        first bucket whose bound is at least ``amount``, as prometheus_client does."""
+        series = self.series.get(labels) or self.labels(labels)
+        series.sum += amount
+        series.counts[bisect.bisect_left(self.bounds, amount)] += 1
+
+    def describe(self) -> Iterable[Metric]:
+        return [Metric(self.name, self.documentation, "histogram")]
+
+    def collect(self) -> Iterable[Metric]:
+        metric = Metric(self.name, self.documentation, "histogram")
+        created = _created_series()
+        for labels, series in list(self.series.items()):
+            named = list(zip(self.labelnames, labels))
+            acc = 0.0
+            for le, count in zip(self._le, series.counts):
+                acc += count
+                metric.add_sample(self.name + "_bucket", dict(named + [("le", le)]), acc)
+            metric.add_sample(self.name + "_count", dict(named), acc)
+            metric.add_sample(self.name + "_sum", dict(named), series.sum)
+            if created:
+                metric.add_sample(self.name + "_created", dict(named), series.created)
+        return [metric]
+
+
 class NodeMetrics:
     """The agent's metrics: observers in, Prometheus text out."""
 
@@ -115,8 +219,6 @@ class NodeMetrics:
         self._node_families()
         #: (device, model, event of SUPERVISOR_COUNTERS) -> count since start.
         self._supervisor_counts: Dict[Tuple[str, str, str], float] = {}
-        #: Labelled children of the per-request metrics (see _labelled).
-        self._children: Dict[Tuple[Any, ...], Any] = {}
         self._handlers: Dict[str, Callable[..., None]] = {
             "request": self._on_request,
             "queue_full": self._on_queue_full,
@@ -133,27 +235,28 @@ class NodeMetrics:
         node.events.subscribe(self.observe)
 
     def _request_families(self) -> None:
-        """The families fed by the API's ``request`` events."""
-        self.requests = Counter(
+        """The families fed by the API's ``request`` events: plain numbers
+        read at scrape time (see _PlainCounter), as they change with every
+        request."""
+        self.requests = _PlainCounter(
             "rolemesh_requests",
             "Proxied requests by model, endpoint and HTTP status (499: client went away).",
             ["model", "endpoint", "status"],
-            registry=self.registry,
         )
-        self.request_duration = Histogram(
+        self.request_duration = _PlainHistogram(
             "rolemesh_request_duration_seconds",
             "Proxied request latency, arrival to last byte.",
             ["model", "endpoint"],
-            buckets=REQUEST_BUCKETS,
-            registry=self.registry,
+            REQUEST_BUCKETS,
         )
-        self.request_ttfb = Histogram(
+        self.request_ttfb = _PlainHistogram(
             "rolemesh_request_ttfb_seconds",
             "Proxied request time to first byte from llama-server (queueing and model load included).",
             ["model", "endpoint"],
-            buckets=TTFB_BUCKETS,
-            registry=self.registry,
+            TTFB_BUCKETS,
         )
+        for family in (self.requests, self.request_duration, self.request_ttfb):
+            self.registry.register(family)
 
     def _node_families(self) -> None:
         """The families fed by the node's and the supervisors' events."""
@@ -182,17 +285,17 @@ class NodeMetrics:
             buckets=LOAD_BUCKETS,
             registry=self.registry,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = _PlainHistogram(  # observed for every request, as the request families
             "rolemesh_queue_wait_seconds",
             "Seconds a request waited in its device's queue before it could run (model load not included).",
             ["device"],
-            buckets=QUEUE_WAIT_BUCKETS,
-            registry=self.registry,
+            QUEUE_WAIT_BUCKETS,
         )
+        self.registry.register(self.queue_wait)
         for model_id in sorted(self._models):
             self.queue_full.labels(model=model_id)
         for device_name in self.node.supervisors:
-            self.queue_wait.labels(device=device_name)
+            self.queue_wait.labels((device_name,))
 
     # -- output ------------------------------------------------------------------
 
@@ -233,16 +336,6 @@ class NodeMetrics:
             return str(status)
         return UNKNOWN
 
-    def _labelled(self, metric: Any, **labels: str) -> Any:
-        """``metric.labels(**labels)``, kept: prometheus_client checks and
-        locks on every call, and the label values here are a small fixed set
-        (known models and endpoints, status codes), never removed."""
-        key = (metric, *labels.values())
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(**labels)
-        return child
-
     def _on_request(
         self,
         endpoint: object = None,
@@ -253,14 +346,16 @@ class NodeMetrics:
         **_: object,
     ) -> None:
         model_label = self._model(model)
-        endpoint_label = self._endpoint(endpoint)
-        self._labelled(self.requests, model=model_label, endpoint=endpoint_label, status=self._status(status)).inc()
+        endpoint_label = endpoint if type(endpoint) is str and endpoint in _ENDPOINT_NAMES else self._endpoint(endpoint)
+        status_label = _STATUS_LABELS.get(status, UNKNOWN) if type(status) is int else self._status(status)
+        self.requests.inc((model_label, endpoint_label, status_label))
+        labels = (model_label, endpoint_label)
         seconds = finite_number(duration)
         if seconds is not None and seconds >= 0:
-            self._labelled(self.request_duration, model=model_label, endpoint=endpoint_label).observe(seconds)
+            self.request_duration.observe(labels, seconds)
         first = finite_number(ttfb)
         if first is not None and first >= 0:
-            self._labelled(self.request_ttfb, model=model_label, endpoint=endpoint_label).observe(first)
+            self.request_ttfb.observe(labels, first)
 
     def _on_queue_full(self, model: object = None, **_: object) -> None:
         self.queue_full.labels(model=self._model(model)).inc()
@@ -277,7 +372,7 @@ class NodeMetrics:
         name = self._device(device)
         wait = finite_number(seconds)
         if name is not None and wait is not None:
-            self._labelled(self.queue_wait, device=name).observe(max(0.0, wait))
+            self.queue_wait.observe((name,), max(0.0, wait))
 
     # -- supervisors ---------------------------------------------------------------
 

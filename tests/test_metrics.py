@@ -10,6 +10,8 @@ import re
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.logger import Logger, LogLevel
 from twisted.trial.unittest import SynchronousTestCase
@@ -57,6 +59,75 @@ def value(families: Dict[str, Any], sample_name: str, **labels: str) -> Optional
 
 def samples(families: Dict[str, Any], sample_name: str) -> List[Any]:
     return [s for f in families.values() for s in f.samples if s.name == sample_name]
+
+
+_ODD = st.sampled_from([None, "", 3, True, [1], "/v1/evil?x=1"])
+_SECONDS = st.one_of(st.floats(min_value=-1, max_value=700),
+                     st.sampled_from([None, float("nan"), float("inf"), 2, "1"]))
+#: ``request`` and ``queue_wait`` events, good and bad, as the API and the node send them.
+REQUEST_EVENTS = st.one_of(
+    st.fixed_dictionaries({
+        "event": st.just("request"),
+        "endpoint": st.one_of(st.sampled_from(list(ENDPOINTS) + ["/v1/completions", "v1/embeddings"]), _ODD),
+        "model": st.one_of(st.sampled_from(["a", "b", "bee", "zzz"]), _ODD),
+        "status": st.one_of(st.sampled_from([200, 400, 429, 499, 502, 504, 99, 600]), _ODD),
+        "duration": _SECONDS,
+        "ttfb": _SECONDS,
+    }),
+    st.fixed_dictionaries({
+        "event": st.just("queue_wait"),
+        "device": st.one_of(st.sampled_from(["gpu:0", "gpu:1", "gpu:9"]), _ODD),
+        "seconds": _SECONDS,
+    }),
+)
+_PER_REQUEST = re.compile(
+    r"^(# (HELP|TYPE) )?(rolemesh_requests|rolemesh_request_duration_seconds|rolemesh_request_ttfb_seconds"
+    r"|rolemesh_queue_wait_seconds)(_[a-z]+)?[ {]")
+
+
+def _request_lines(text: bytes) -> List[str]:
+    """The per-request families' lines of a scrape, ``_created`` values blanked."""
+    lines = [line for line in text.decode("utf-8").splitlines() if _PER_REQUEST.match(line)]
+    return [re.sub(r"^(\w+_created(\{.*\})?) .*$", r"\1 <created>", line) for line in lines]
+
+
+def _prometheus_client_render(h: Harness, events: List[Dict[str, Any]]) -> bytes:
+    """What the per-request families rendered as prometheus_client's own
+    Counter and Histograms (how rolemesh.metrics kept them before), fed the
+    same events."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from rolemesh.metrics import QUEUE_WAIT_BUCKETS, REQUEST_BUCKETS, TTFB_BUCKETS
+    from rolemesh.telemetry import finite_number
+
+    registry = CollectorRegistry(auto_describe=False)
+    requests = Counter("rolemesh_requests",
+                       "Proxied requests by model, endpoint and HTTP status (499: client went away).",
+                       ["model", "endpoint", "status"], registry=registry)
+    duration = Histogram("rolemesh_request_duration_seconds", "Proxied request latency, arrival to last byte.",
+                         ["model", "endpoint"], buckets=REQUEST_BUCKETS, registry=registry)
+    ttfb = Histogram("rolemesh_request_ttfb_seconds",
+                     "Proxied request time to first byte from llama-server (queueing and model load included).",
+                     ["model", "endpoint"], buckets=TTFB_BUCKETS, registry=registry)
+    wait = Histogram("rolemesh_queue_wait_seconds",
+                     "Seconds a request waited in its device's queue before it could run (model load not included).",
+                     ["device"], buckets=QUEUE_WAIT_BUCKETS, registry=registry)
+    m = h.metrics
+    for device in h.node.supervisors:
+        wait.labels(device=device)
+    for fields in events:
+        if fields["event"] == "queue_wait":
+            device, seconds = fields["device"], finite_number(fields["seconds"])
+            if isinstance(device, str) and device in h.node.supervisors and seconds is not None:
+                wait.labels(device=device).observe(max(0.0, seconds))
+            continue
+        labels = dict(model=m._model(fields["model"]), endpoint=m._endpoint(fields["endpoint"]))
+        requests.labels(status=m._status(fields["status"]), **labels).inc()
+        for histogram, key in ((duration, "duration"), (ttfb, "ttfb")):
+            seconds = finite_number(fields[key])
+            if seconds is not None and seconds >= 0:
+                histogram.labels(**labels).observe(seconds)
+    return generate_latest(registry)
 
 
 class FormatTests(SynchronousTestCase):
@@ -196,7 +267,7 @@ class RequestTests(SynchronousTestCase):
 
     def test_observer_errors_are_caught_and_logged(self) -> None:
         class Broken:
-            def labels(self, **_: Any) -> Any:
+            def inc(self, labels: Any) -> None:
                 raise RuntimeError("metrics bug")
 
         self.m.requests = Broken()  # type: ignore[assignment]
@@ -204,6 +275,16 @@ class RequestTests(SynchronousTestCase):
         self.m.observe("queue_full", model="a")  # other metrics still work
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
         self.assertEqual(value(self.h.scrape(), "rolemesh_queue_full_total", model="a"), 1)
+
+    @given(st.lists(REQUEST_EVENTS, max_size=25))
+    def test_per_request_families_render_as_prometheus_client_would(self, events: List[Dict[str, Any]]) -> None:
+        """The per-request families are plain numbers read at scrape time;
+        their text is prometheus_client's Counter and Histogram's, line for
+        line (``_created`` times aside), whatever the events."""
+        h = Harness()
+        for fields in events:
+            h.metrics.observe(fields["event"], **{k: v for k, v in fields.items() if k != "event"})
+        self.assertEqual(_request_lines(h.metrics.render()), _request_lines(_prometheus_client_render(h, events)))
 
     def test_supervisor_listener_errors_are_caught_and_logged(self) -> None:
         class Broken:
