@@ -15,12 +15,12 @@ import json
 import re
 import time
 import uuid
-from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Sequence, TypeVar, Union, cast
+from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union, cast
 
 from klein import Klein
 from twisted.internet import defer
 from twisted.internet.interfaces import IDelayedCall
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
@@ -31,7 +31,7 @@ from rolemesh.config import NodeConfig
 from rolemesh.events import Events
 from rolemesh.fast_channel import FastRoute
 from rolemesh.interfaces import ProxiedRequest, RouteRequest
-from rolemesh.logs import one_write
+from rolemesh.logs import emit, one_write
 from rolemesh.node import Lease, Node
 from rolemesh.proxy import CLIENT_GONE, STALLED, Proxy, UpstreamUnreachable
 from rolemesh.readiness import Readiness
@@ -52,6 +52,8 @@ RECORD_DELAY_S = 0.05
 #: ``(endpoint, path)`` of the routes relayed to llama-server.
 PROXIED_ROUTES = (("chat/completions", "/v1/chat/completions"), ("completions", "/v1/completions"),
                   ("embeddings", "/v1/embeddings"))
+#: The request log line (its fields are JSON keys with ``log_format: json``).
+REQUEST_LOG_FORMAT = "POST /v1/{endpoint} {model} -> {status} on {device} in {duration_ms:.1f} ms"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _CREATED = int(time.time())
 
@@ -165,10 +167,6 @@ class _Record:
         if self.ttfb is None:
             self.ttfb = time.monotonic() - self.started
 
-    def fields(self, now: float) -> Dict[str, Any]:
-        return dict(endpoint=self.endpoint, model=self.model, status=self.status, duration=now - self.started,
-                    ttfb=self.ttfb, device=self.device, request_id=self.request_id)
-
 
 class NodeAPI:
     """Klein routes over a :class:`Node` and a :class:`Proxy`."""
@@ -195,8 +193,8 @@ class NodeAPI:
         self.use_config(config)
         #: Told ("request", **fields) of each finished proxied request.
         self.events = Events(*observers)
-        #: Finished requests not yet logged (see _record_later).
-        self._unrecorded: List[Dict[str, Any]] = []
+        #: Finished requests not yet logged, with when they ended (see _record_later).
+        self._unrecorded: List[Tuple[_Record, float]] = []
         self._flush: Optional[IDelayedCall] = None
 
     def use_config(self, config: NodeConfig) -> None:
@@ -431,19 +429,19 @@ class NodeAPI:
         request.setHeader(b"x-request-id", rid.encode("ascii"))
         return rid
 
-    def _record_later(self, _: Optional[Failure], fields: Dict[str, Any]) -> None:
+    def _record_later(self, record: _Record, ended: float) -> None:
         """Log and observe a finished request a moment later, with the others
         finished meanwhile: one wake-up for all of them, after their answers
         went out."""
-        self._unrecorded.append(fields)
+        self._unrecorded.append((record, ended))
         if len(self._unrecorded) == 1:
             self._flush = self.node.reactor.callLater(RECORD_DELAY_S, self._record_all)
 
     def _record_all(self) -> None:
         records, self._unrecorded = self._unrecorded, []
         with one_write():  # the batch's log lines in one write
-            for fields in records:
-                self._record(fields)
+            for record, ended in records:
+                self._record(record, ended)
 
     def flush_records(self) -> None:
         """Record the finished requests now (shutdown: the timer would not run)."""
@@ -452,11 +450,16 @@ class NodeAPI:
         self._flush = None
         self._record_all()
 
-    def _record(self, fields: Dict[str, Any]) -> None:
-        log.info("POST /v1/{endpoint} {model} -> {status} on {device} in {duration_ms:.1f} ms",
-                 duration_ms=fields["duration"] * 1000, **fields)
-        observed = {k: v for k, v in fields.items() if k not in ("device", "request_id")}
-        self.events.emit("request", **observed)
+    def _record(self, record: _Record, ended: float) -> None:
+        """The request log line (``log.info``'s event, built here once) and
+        the ``request`` event."""
+        duration = ended - record.started
+        emit(log, LogLevel.info, REQUEST_LOG_FORMAT, {
+            "duration_ms": duration * 1000, "endpoint": record.endpoint, "model": record.model,
+            "status": record.status, "duration": duration, "ttfb": record.ttfb, "device": record.device,
+            "request_id": record.request_id})
+        self.events.emit("request", endpoint=record.endpoint, model=record.model, status=record.status,
+                         duration=duration, ttfb=record.ttfb)
 
     def _proxy(self, request: ProxiedRequest, endpoint: str, path: str) -> "defer.Deferred[None]":
         """Check, place and relay one request; the explicit callbacks below
@@ -495,7 +498,7 @@ class NodeAPI:
         else:
             record.status = 499 if result == CLIENT_GONE else request.code
             failed = None
-        request.notifyFinish().addBoth(self._record_later, record.fields(time.monotonic()))
+        self._record_later(record, time.monotonic())  # written RECORD_DELAY_S later: after the answer's end
         return failed
 
     def _relay(self, request: ProxiedRequest, lease: Lease, path: str, body: bytes, streaming: bool,
