@@ -32,46 +32,48 @@ _SKIP = frozenset({"log_format", "log_logger", "log_source", "log_io", "log_time
 
 
 _UNPARSED: Any = object()
-#: format string -> its parts, or None where a field is more than a plain
-#: name (``{a.b}``, ``{f()}``, ``{0}``, nested specs): those go to Twisted.
-_PARSED: Dict[str, Optional[List[Tuple[str, Optional[str], str, Optional[str]]]]] = {}
+#: format string -> (the same as a positional ``str.format`` template, the
+#: field names in order), or None where a field is more than a plain name
+#: (``{a.b}``, ``{f()}``, ``{0}``, nested specs): those go to Twisted.
+_PARSED: Dict[str, Optional[Tuple[str, Tuple[str, ...]]]] = {}
 
 
-def _parse(text: str) -> Optional[List[Tuple[str, Optional[str], str, Optional[str]]]]:
+def _parse(text: str) -> Optional[Tuple[str, Tuple[str, ...]]]:
     try:
         parts = list(_FORMATTER.parse(text))
     except ValueError:
         return None
-    for _, name, spec, _ in parts:
-        if name is not None and (not name.isidentifier() or "{" in (spec or "")):
+    template: List[str] = []
+    names: List[str] = []
+    for literal, name, spec, conversion in parts:
+        template.append(literal.replace("{", "{{").replace("}", "}}"))
+        if name is None:
+            continue
+        if not name.isidentifier() or "{" in (spec or ""):
             return None
-    return [(literal, name, spec or "", conversion) for literal, name, spec, conversion in parts]
+        template += ("{", str(len(names)), "!" + conversion if conversion else "", ":" + spec if spec else "", "}")
+        names.append(name)
+    return "".join(template), tuple(names)
 
 
 def format_event(event: LogEvent) -> str:
     """What ``twisted.logger.formatEvent`` returns, with each format string
     parsed once instead of at every event (the request log line is written
-    for every request; Twisted's parse was most of its cost)."""
+    for every request; Twisted's parse was most of its cost) and formatted
+    by one ``str.format`` call."""
     text = event.get("log_format")
     if not isinstance(text, str) or "log_flattened" in event:
         return formatEvent(event)
-    parts = _PARSED.get(text, _UNPARSED)
-    if parts is _UNPARSED:
-        parts = _parse(text)
+    parsed = _PARSED.get(text, _UNPARSED)
+    if parsed is _UNPARSED:
+        parsed = _parse(text)
         if len(_PARSED) < 4096:
-            _PARSED[text] = parts
-    if parts is None:
+            _PARSED[text] = parsed
+    if parsed is None:
         return formatEvent(event)
+    template, names = parsed
     try:
-        out = []
-        for literal, name, spec, conversion in parts:
-            out.append(literal)
-            if name is not None:
-                value = event[name]
-                if conversion is not None:
-                    value = _FORMATTER.convert_field(value, conversion)
-                out.append(format(value, spec))
-        return "".join(out)
+        return template.format(*[event[name] for name in names])
     except Exception:
         return formatEvent(event)  # says what could not be formatted
 

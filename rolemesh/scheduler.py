@@ -166,6 +166,12 @@ class Scheduler:
         ``lanes`` are the ones the model may use (default: every single
         device); ``only`` narrows them to one (operator load, preload)."""
         names = lanes if lanes is not None else [n for n, b in self.devices.items() if not b.is_group]
+        if len(names) == 1 and (only is None or names[0] == only):
+            # One lane (one device, or a model pinned to one): it, if it has room.
+            book = self.devices[names[0]]
+            if len(book.running) + len(book.queue) >= self.pending_limit:
+                raise QueueFull(model_id)
+            return book
         books = [self.devices[n] for n in names if only is None or n == only]
         room = [b for b in books if b.pending < self.pending_limit]
         if not room:

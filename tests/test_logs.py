@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 from typing import List
@@ -59,6 +60,8 @@ EVENTS = [
     {"log_format": "no time {x}", "x": 1},
     {"log_format": "with system {x}", "x": 1, "log_system": "sys", "log_time": 6.0},
     {"log_format": "{{literal}} {x}", "x": "y", "log_time": 7.0},
+    {"log_format": "}}{x!r:>8}{{ at {when:%H:%M} {x}", "x": "y", "when": datetime.datetime(2026, 11, 30, 23, 5),
+     "log_time": 7.5},
     {"log_format": "bad {", "log_time": 8.0},
     {"log_format": "{x!z}", "x": 1, "log_time": 9.0},
     {"log_format": b"bytes format", "log_time": 10.0},
