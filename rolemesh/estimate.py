@@ -22,6 +22,9 @@ The estimate mirrors what llama-server (llama.cpp) allocates when it loads:
   Without ``parallel`` llama-server runs 4 slots over a unified cache.
 - **compute buffer**: the scratch memory of the largest graph (one ubatch):
   logits, the attention scores when flash attention is off, activations.
+- **runtime**: what a child takes on a GPU beyond those buffers, per
+  device it uses: the CUDA context, cuBLAS's workspace, CUDA graphs
+  (:data:`RUNTIME_BYTES`; measured on cuda only, 0 elsewhere).
 - **reserve**: ``device_memory_reserve_bytes``, headroom the node keeps free.
 
 The figures are checked against the buffer sizes a real llama-server logs at
@@ -117,10 +120,11 @@ class MemoryEstimate:
     reserve_bytes: int = 0
     #: The context the KV cache was sized for (cells, after padding).
     ctx_cells: int = 0
+    runtime_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_cache_bytes + self.compute_bytes + self.reserve_bytes
+        return self.weights_bytes + self.kv_cache_bytes + self.compute_bytes + self.runtime_bytes + self.reserve_bytes
 
     def to_json(self) -> Dict[str, int]:
         return {
@@ -128,13 +132,15 @@ class MemoryEstimate:
             "weights_bytes": self.weights_bytes,
             "kv_cache_bytes": self.kv_cache_bytes,
             "compute_bytes": self.compute_bytes,
+            "runtime_bytes": self.runtime_bytes,
             "reserve_bytes": self.reserve_bytes,
             "ctx_cells": self.ctx_cells,
         }
 
     def describe(self) -> str:
+        runtime = f", runtime {gib(self.runtime_bytes)}" if self.runtime_bytes else ""
         return (f"{gib(self.total_bytes)} (weights {gib(self.weights_bytes)}, KV cache {gib(self.kv_cache_bytes)}, "
-                f"compute {gib(self.compute_bytes)}, reserve {gib(self.reserve_bytes)})")
+                f"compute {gib(self.compute_bytes)}{runtime}, reserve {gib(self.reserve_bytes)})")
 
 
 def gib(n: Optional[int]) -> str:
@@ -488,6 +494,16 @@ def estimate(
 # Where it fits (pure; the node and ``--check`` share these)
 
 
+#: Device memory a llama-server child takes beyond the buffers llama.cpp
+#: logs, per device it uses.  cuda: the CUDA context, cuBLAS's workspace and
+#: CUDA graphs; NVML's per-process figure on an H200 (CUDA 13.0, driver
+#: 580.159) was 589 MiB over the buffers once loaded and 687 MiB after the
+#: first request (``tests/integration/test_cuda_real.py``), so 768 MiB.
+#: Not measured for the other GPU backends (0): set
+#: ``device_memory_reserve_bytes`` there.
+RUNTIME_BYTES: Dict[str, int] = {"cuda": 768 << 20}
+
+
 def shared_memory(backend: str) -> bool:
     """cpu devices (and Apple's unified memory) all draw on one memory pool."""
     return backend in ("cpu", "metal")
@@ -504,6 +520,7 @@ def capacity_of(totals: Sequence[Optional[int]], backend: str) -> Optional[int]:
 
 def estimate_on(facts: GGUFFacts, model: ModelConfig, backend: str, members: int, reserve_bytes: int) -> MemoryEstimate:
     """The estimate on a device (``members`` 1) or group of ``backend``: the
-    reserve counts once per device, once in all for a shared pool."""
-    reserve = reserve_bytes * (1 if shared_memory(backend) else max(1, members))
-    return estimate(facts, model, "cpu" if backend == "cpu" else "gpu", reserve)
+    reserve and the runtime count once per device, once in all for a shared pool."""
+    per_device = 1 if shared_memory(backend) else max(1, members)
+    need = estimate(facts, model, "cpu" if backend == "cpu" else "gpu", reserve_bytes * per_device)
+    return attr.evolve(need, runtime_bytes=RUNTIME_BYTES.get(backend, 0) * per_device)

@@ -45,6 +45,7 @@ CMAKE_SWITCH = {
 }
 LIST_DEVICES_TIMEOUT_S = 30.0
 
+_INIT_FAILED = re.compile(r"failed to initialize (\w+): (.+?)\s*$", re.MULTILINE)
 _LISTED = re.compile(r"^\s+(\S+): (.*?)(?: \((\d+) MiB, (\d+) MiB free\))?\s*$")
 
 
@@ -81,9 +82,18 @@ def parse_list_devices(text: str) -> Optional[List[ListedDevice]]:
     return found
 
 
-def gpu_support(backend: str, binary: str, listed: Optional[Sequence[ListedDevice]]) -> Tuple[bool, str]:
+def init_failure(text: str) -> Optional[str]:
+    """Why a GPU backend built into llama-server could not start, from its
+    output (``ggml_cuda_init: failed to initialize CUDA: <why>``), or None."""
+    match = _INIT_FAILED.search(text)
+    return f"{match.group(1)}: {match.group(2)}" if match else None
+
+
+def gpu_support(backend: str, binary: str, listed: Optional[Sequence[ListedDevice]],
+                failure: Optional[str] = None) -> Tuple[bool, str]:
     """``(fine, one line)``: whether ``binary``'s build can use ``backend``'s
-    devices, from what ``--list-devices`` printed (None: it could not say)."""
+    devices, from what ``--list-devices`` printed (None: it could not say) and
+    the backend's start-up failure, if it printed one."""
     prefixes = DEVICE_PREFIXES.get(backend)
     if prefixes is None:
         return True, f"llama-server {binary}: the {backend} backend needs no GPU build"
@@ -93,6 +103,9 @@ def gpu_support(backend: str, binary: str, listed: Optional[Sequence[ListedDevic
     ours = [d for d in listed if d.name.startswith(prefixes)]
     if ours:
         return True, f"llama-server {binary} sees " + ", ".join(d.describe() for d in ours)
+    if failure is not None:
+        return False, (f"llama-server {binary} could not start its GPU backend ({failure}), so every model would "
+                       "run on the CPU; check the driver against the CUDA/ROCm version the build needs")
     seen = ", ".join(d.name for d in listed) or "none"
     return False, (
         f"llama-server {binary} has no {backend} support (its devices: {seen}), so every model would run "
@@ -115,10 +128,10 @@ def check_gpu_support(
 
     runner = run or run_sync
     try:
-        _, out, _ = runner((binary, "--list-devices"), LIST_DEVICES_TIMEOUT_S, env=env)
+        _, out, err = runner((binary, "--list-devices"), LIST_DEVICES_TIMEOUT_S, env=env)
     except ToolError as e:
         return False, f"llama-server {binary} could not list its devices: {e}"
-    return gpu_support(backend, binary, parse_list_devices(out))
+    return gpu_support(backend, binary, parse_list_devices(out), init_failure(err + "\n" + out))
 
 
 def bundled_binary() -> Optional[str]:

@@ -3,6 +3,7 @@ pynvml stand-in.  Nothing here touches the real PATH, processes or NVIDIA driver
 
 from __future__ import annotations
 
+import json
 import os
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -190,6 +191,9 @@ class FakeNvml:
         info = self._info(handle)
         if info.get("memory_error"):
             raise FakeNVMLError(info["memory_error"])
+        recorded = info.get("memory_v1" if version is None else "memory_v2")
+        if recorded:  # a recorded GPU (record_nvidia.py): each call's own answer
+            return SimpleNamespace(**recorded)
         return SimpleNamespace(total=info["total"], used=info["used"], free=info["free"])
 
     def _value(self, handle: Tuple[Any, ...], key: str) -> Any:
@@ -221,6 +225,13 @@ class FakeNvml:
         if j >= len(migs):
             raise FakeNVMLError("Not Found")
         return ("mig", handle[1], j)
+
+
+def recorded_nvml(name: str, **kw: Any) -> FakeNvml:
+    """A FakeNvml answering what a real host answered (``nvml_<host>.json``,
+    written by ``tests/fixtures/record_nvidia.py``)."""
+    with open(os.path.join(FIXTURES, name), encoding="utf-8") as f:
+        return FakeNvml(json.load(f)["gpus"], **kw)
 
 
 def h100(i: int, **overrides: Any) -> Dict[str, Any]:

@@ -15,7 +15,8 @@ from rolemesh.backends.commands import MIB, ToolError, ToolTimeout
 from rolemesh.backends.cuda import NVIDIA_SMI_LIST, NVIDIA_SMI_QUERY, CudaBackend
 from rolemesh.devices import DeviceRef
 from rolemesh.interfaces import IDeviceBackend
-from tests.backend_fakes import FakeNvml, FakeNVMLError, FakeTools, fixture, h100, ok
+from rolemesh.llama_build import parse_list_devices
+from tests.backend_fakes import FakeNvml, FakeNVMLError, FakeTools, fixture, h100, ok, recorded_nvml
 
 
 def inline(f: Callable[..., Any], *args: Any) -> Deferred:
@@ -232,7 +233,7 @@ class NvidiaSmiFallbackTests(SynchronousTestCase):
         self.assertEqual(backend.notes, ["NVML not loaded: No module named 'pynvml'"])
         self.assertEqual(
             [(d.name, d.memory_total_bytes) for d in devices],
-            [("gpu:0", 81559 * MIB), ("gpu:1", 81559 * MIB)],
+            [("gpu:0", 81025 * MIB), ("gpu:1", 81025 * MIB)],  # used + free: the driver's reserve left out
         )
         self.clock.advance(1)
         first, second = self.successResultOf(backend.sample(devices))
@@ -308,3 +309,59 @@ class NvidiaSmiFallbackTests(SynchronousTestCase):
         self.assertFalse(first.stale)
         self.assertTrue(second.stale)
         self.assertEqual(second.error, "gpu:1 missing from nvidia-smi output")
+
+
+class RecordedH200Tests(SynchronousTestCase):
+    """What a real H200 host answered (recorded by scripts/gpu-check.sh: driver 580.159.04, CUDA 13.0),
+    through NVML and through nvidia-smi, against what a CUDA llama-server saw on the same host."""
+
+    #: ``CUDA0: NVIDIA H200 (143155 MiB, ...)``: the total CUDA reports (cudaMemGetInfo, floored to MiB).
+    CUDA_TOTAL_MIB = 143155
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.clock.advance(50)
+
+    def by_nvml(self, **kw: Any) -> CudaBackend:
+        backend = CudaBackend(self.clock, load_nvml=lambda: recorded_nvml("nvml_h200.json", **kw), to_thread=inline,
+                              **FakeTools().options())
+        self.assertTrue(verifyObject(IDeviceBackend, backend))
+        return backend
+
+    def by_smi(self) -> CudaBackend:
+        tools = FakeTools({NVIDIA_SMI_QUERY: ok(fixture("nvidia_smi_query_h200.csv")),
+                           NVIDIA_SMI_LIST: ok(fixture("nvidia_smi_list_h200.txt"))})
+        return CudaBackend(self.clock, load_nvml=no_pynvml, **tools.options())
+
+    def test_both_sources_name_the_same_gpu(self) -> None:
+        (nvml,), (smi,) = self.by_nvml().discover(), self.by_smi().discover()
+        self.assertEqual((nvml.name, nvml.index, nvml.uuid, nvml.model),
+                         ("gpu:0", 0, "GPU-67c00e15-5ea1-6819-d1aa-b5cb81b2bf84", "NVIDIA H200"))
+        self.assertEqual((smi.name, smi.index, smi.uuid, smi.model), (nvml.name, nvml.index, nvml.uuid, nvml.model))
+
+    def test_the_total_is_what_cuda_can_allocate(self) -> None:
+        """nvidia-smi and NVML say 143771 MiB, of which the driver keeps 615 MiB (NVML v2's
+        ``reserved``; v1 counts it as used): the agent places models in the 143155 MiB CUDA has."""
+        (nvml,), (smi,) = self.by_nvml().discover(), self.by_smi().discover()
+        listed = parse_list_devices(fixture("llama_server_list_devices_cuda_h200.txt"))
+        self.assertEqual([(d.name, d.total_mib) for d in listed or []], [("CUDA0", self.CUDA_TOTAL_MIB)])
+        for total in (nvml.memory_total_bytes, smi.memory_total_bytes):  # nvidia-smi rounds to MiB
+            self.assertLessEqual(abs((total or 0) / MIB - self.CUDA_TOTAL_MIB), 1, total)
+        self.assertIn("143771,", fixture("nvidia_smi_query_h200.csv"))
+
+    def test_an_old_binding_without_v2_counts_the_reserve_as_used(self) -> None:
+        backend = self.by_nvml(v2=False)
+        (device,) = backend.discover()
+        self.assertEqual(device.memory_total_bytes, 143771 * MIB)
+        (sample,) = self.successResultOf(backend.sample([device]))
+        self.assertEqual((sample.memory_used_bytes, sample.memory_free_bytes), (644939776, 150109880320))
+
+    def test_a_sample_reads_the_idle_gpu(self) -> None:
+        backend = self.by_nvml()
+        devices = backend.discover()
+        (sample,) = self.successResultOf(backend.sample(devices))
+        self.assertEqual((sample.memory_used_bytes, sample.utilization_pct, sample.temperature_c, sample.power_w),
+                         (0, 0.0, 36.0, 79.273))
+        self.assertEqual(sample.memory_total_bytes, sample.memory_used_bytes + sample.memory_free_bytes)
+        (smi,) = self.successResultOf(self.by_smi().sample(self.by_smi().discover()))
+        self.assertLess(abs(smi.memory_free_bytes - sample.memory_free_bytes), MIB)

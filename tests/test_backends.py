@@ -73,7 +73,8 @@ class NvidiaSmiParserTests(SynchronousTestCase):
         first = readings[0]
         self.assertEqual(first.uuid, "GPU-3f4c3c2e-8b1a-4c7e-9d55-0a1b2c3d4e5f")
         self.assertEqual(first.name, "NVIDIA H100 80GB HBM3")
-        self.assertEqual(first.memory_total_bytes, 81559 * MIB)
+        # what CUDA can allocate: used + free, without the 534 MiB the driver keeps of its 81559 MiB
+        self.assertEqual(first.memory_total_bytes, (1234 + 79791) * MIB)
         self.assertEqual(first.memory_used_bytes, 1234 * MIB)
         self.assertEqual(first.memory_free_bytes, 79791 * MIB)
         self.assertEqual((first.utilization_pct, first.temperature_c, first.power_w), (17.0, 34.0, 71.52))
@@ -123,7 +124,8 @@ class NvidiaSmiParserTests(SynchronousTestCase):
         self.assertTrue(is_mig(devices[0]))
         self.assertFalse(is_mig(devices[2]))
         self.assertEqual(devices[0].model, "NVIDIA A100-SXM4-40GB MIG 3g.20gb")
-        self.assertEqual(devices[2].memory_total_bytes, 11264 * MIB)
+        self.assertEqual(devices[2].memory_total_bytes, (2 + 11003) * MIB)  # used + free
+        self.assertEqual(readings[0].memory_total_bytes, 40960 * MIB)  # used and free unknown: the total
         self.assertEqual({d.vendor for d in devices}, {"NVIDIA"})
 
 

@@ -152,6 +152,30 @@ class GpuSupportTests(SynchronousTestCase):
         self.assertFalse(fine)
         self.assertIn("its devices: CUDA0, Vulkan0", text)
 
+    def test_a_cuda_build_on_a_host_whose_driver_cannot_run_it(self) -> None:
+        """Recorded: this CUDA 13.0 build on a machine without a usable driver."""
+        text = fixture("llama_server_list_devices_cuda_no_driver.txt")
+        failure = llama_build.init_failure(text)
+        self.assertEqual(failure, "CUDA: CUDA driver version is insufficient for CUDA runtime version")
+        fine, line = llama_build.gpu_support("cuda", self.BIN, llama_build.parse_list_devices(text), failure)
+        self.assertFalse(fine)
+        self.assertIn("could not start its GPU backend (CUDA: CUDA driver version is insufficient", line)
+        self.assertNotIn("no cuda support", line)
+
+        def run(argv, timeout, env=None):
+            before, listing = text.split("Available devices:")
+            return 0, "Available devices:" + listing, before  # the E line goes to stderr
+
+        self.assertEqual(llama_build.check_gpu_support("cuda", self.BIN, run=run), (fine, line))
+
+    def test_the_h200_build_sees_its_gpu(self) -> None:
+        """Recorded: a CUDA build on an H200 (scripts/gpu-check.sh)."""
+        listed = llama_build.parse_list_devices(fixture("llama_server_list_devices_cuda_h200.txt"))
+        self.assertEqual(listed, [llama_build.ListedDevice("CUDA0", "NVIDIA H200", 143155, 142629)])
+        self.assertEqual(llama_build.gpu_support("cuda", self.BIN, listed),
+                         (True, f"llama-server {self.BIN} sees CUDA0 (NVIDIA H200, 143155 MiB)"))
+        self.assertIsNone(llama_build.init_failure(fixture("llama_server_list_devices_cuda_h200.txt")))
+
     def test_an_unreadable_listing_is_a_warning(self) -> None:
         fine, text = llama_build.gpu_support("cuda", self.BIN, None)
         self.assertFalse(fine)

@@ -19,9 +19,11 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.config import ModelConfig
 from rolemesh.estimate import (
+    RUNTIME_BYTES,
     EstimateError,
     GGUFFacts,
     estimate,
+    estimate_on,
     gib,
     kv_cells,
     offloaded_layers,
@@ -342,3 +344,24 @@ class Properties(SynchronousTestCase):
         self.assertEqual(gib(3 << 29), "1.50 GiB")
         self.assertEqual(gib(12 * MIB), "12.0 MiB")
         self.assertEqual(gib(None), "unknown")
+
+
+class RuntimeTests(SynchronousTestCase):
+    """What a child takes on a GPU beyond its buffers (measured on an H200:
+    tests/integration/test_cuda_real.py), once per device it spans."""
+
+    def test_cuda_adds_the_runtime_once_per_device(self) -> None:
+        one = estimate_on(FACTS, model(ctx_size=1024), "cuda", 1, 0)
+        two = estimate_on(FACTS, model(ctx_size=1024), "cuda", 2, MIB)
+        plain = estimate(FACTS, model(ctx_size=1024), "gpu")
+        self.assertEqual(one.runtime_bytes, RUNTIME_BYTES["cuda"])
+        self.assertEqual(one.total_bytes, plain.total_bytes + RUNTIME_BYTES["cuda"])
+        self.assertEqual((two.runtime_bytes, two.reserve_bytes), (2 * RUNTIME_BYTES["cuda"], 2 * MIB))
+        self.assertEqual(one.to_json()["runtime_bytes"], RUNTIME_BYTES["cuda"])
+        self.assertIn(f"runtime {gib(RUNTIME_BYTES['cuda'])}", one.describe())
+
+    def test_unmeasured_backends_and_the_cpu_add_none(self) -> None:
+        for backend in ("cpu", "rocm", "vulkan", "sycl", "metal"):
+            need = estimate_on(FACTS, model(ctx_size=1024), backend, 2, 0)
+            self.assertEqual(need.runtime_bytes, 0, backend)
+            self.assertNotIn("runtime", need.describe())

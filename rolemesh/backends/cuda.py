@@ -78,6 +78,15 @@ class MigEntry:
     parent_model: Optional[str] = None
 
 
+def allocatable(total: Optional[int], used: Optional[int], free: Optional[int]) -> Optional[int]:
+    """``nvidia-smi``'s total less what the driver reserves: its ``used``
+    leaves that reserve out (drivers since 510), so used + free is what CUDA
+    can allocate; older drivers count it as used, and the sum is the total."""
+    if total is None or used is None or free is None:
+        return total
+    return min(total, used + free)
+
+
 def parse_nvidia_smi_csv(text: str) -> List[Reading]:
     """``nvidia-smi --query-gpu=<NVIDIA_SMI_FIELDS> --format=csv,noheader,nounits`` -> readings (bytes)."""
     readings: List[Reading] = []
@@ -94,14 +103,15 @@ def parse_nvidia_smi_csv(text: str) -> List[Reading]:
             continue
         tail = parts[-6:]
         uuid = parts[1] if parts[1].startswith(("GPU-", "MIG-")) else None
+        total, used, free = (integer(v, MIB) for v in tail[:3])
         readings.append(
             Reading(
                 index=int(parts[0]),
                 uuid=uuid,
                 name=", ".join(parts[2:-6]) or None,
-                memory_total_bytes=integer(tail[0], MIB),
-                memory_used_bytes=integer(tail[1], MIB),
-                memory_free_bytes=integer(tail[2], MIB),
+                memory_total_bytes=allocatable(total, used, free),
+                memory_used_bytes=used,
+                memory_free_bytes=free,
                 utilization_pct=number(tail[3]),
                 temperature_c=number(tail[4]),
                 power_w=number(tail[5]),
@@ -177,16 +187,23 @@ def _text(value: Any) -> str:
 
 
 def nvml_memory(nvml: Any, handle: Any) -> Tuple[int, int, int]:
-    """(total, used, free) bytes: the v2 call where the binding and driver have it, v1 otherwise."""
-    mem = None
+    """(total, used, free) bytes, ``total`` being what processes can allocate.
+
+    The v2 call (where the binding and driver have it) reports apart the
+    memory the driver keeps for itself -- 615 MiB of an H200's 143771 MiB,
+    which ``nvidia-smi`` counts in its total and CUDA does not -- so that is
+    taken off the total; v1 counts it as used.
+    """
     v2 = getattr(nvml, "nvmlMemory_v2", None)
     if v2 is not None:
         try:
             mem = nvml.nvmlDeviceGetMemoryInfo(handle, version=v2)
         except (nvml.NVMLError, TypeError):  # driver without the _v2 entry point, or an old binding
-            mem = None
-    if mem is None:
-        mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            pass
+        else:
+            reserved = int(getattr(mem, "reserved", 0) or 0)
+            return int(mem.total) - reserved, int(mem.used), int(mem.free)
+    mem = nvml.nvmlDeviceGetMemoryInfo(handle)
     return int(mem.total), int(mem.used), int(mem.free)
 
 
