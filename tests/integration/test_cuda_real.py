@@ -30,7 +30,7 @@ import os
 import subprocess
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
@@ -42,7 +42,8 @@ from rolemesh.backends.cuda import (
     nvml_readings,
     parse_nvidia_smi_csv,
 )
-from rolemesh.llama_build import check_gpu_support, parse_list_devices
+from rolemesh.estimate import RUNTIME_BYTES
+from rolemesh.llama_build import ListedDevice, check_gpu_support, parse_list_devices
 from tests.fixtures.llama import LLAMA_SERVER_ENV, llama_server_binary
 from tests.fixtures.tiny_gguf import write_tiny_gguf
 from tests.integration.harness import AgentProcess, require_llama_server, wait_until
@@ -66,17 +67,23 @@ def nvml() -> Any:
     return module
 
 
-def cuda_llama_server() -> str:
-    """A llama-server built with CUDA, or SkipTest."""
+def cuda_llama_server() -> Tuple[str, List[ListedDevice]]:
+    """A llama-server built with CUDA and the CUDA devices it lists, or SkipTest."""
     binary = llama_server_binary()
     if binary is None:
         raise SkipTest(f"no llama-server (set {LLAMA_SERVER_ENV} to a CUDA build)")
     out = subprocess.run([binary, "--list-devices"], capture_output=True, text=True, timeout=60).stdout
-    listed = parse_list_devices(out) or []
-    if not any(d.name.startswith("CUDA") for d in listed):
+    listed = [d for d in parse_list_devices(out) or [] if d.name.startswith("CUDA")]
+    if not listed:
         raise SkipTest(f"{binary} is not a CUDA build (--list-devices: {out.strip()!r}); "
                        f"set {LLAMA_SERVER_ENV} to one")
-    return binary
+    return binary, listed
+
+
+def process_memory(nvml: Any, pid: int) -> Optional[int]:
+    """GPU memory NVML says process ``pid`` uses on GPU 0."""
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    return {p.pid: p.usedGpuMemory for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}.get(pid)
 
 
 class Stream(threading.Thread):
@@ -166,7 +173,8 @@ class DiscoveryTests(SynchronousTestCase):
             assert not isinstance(reading, str), reading
             other = smi[reading.index]
             print(f"\ngpu:{reading.index} NVML {reading}\n      nvidia-smi {other}")
-            self.assertEqual(reading.memory_total_bytes // MIB, (other.memory_total_bytes or 0) // MIB)
+            # both what CUDA can allocate; nvidia-smi's used and free are rounded to MiB
+            self.assertLessEqual(abs((reading.memory_total_bytes or 0) - (other.memory_total_bytes or 0)), MIB)
             used = reading.memory_used_bytes or 0
             self.assertLess(abs(used - (other.memory_used_bytes or 0)), 64 * MIB, (reading, other))
             self.assertIsNotNone(reading.utilization_pct)
@@ -179,7 +187,7 @@ class AgentOnGpuTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.nvml = nvml()
         self.addCleanup(self.nvml.nvmlShutdown)
-        self.binary = cuda_llama_server()
+        self.binary, self.listed = cuda_llama_server()
         self.dir = os.path.abspath(self.mktemp())
         os.makedirs(self.dir)
         path = write_tiny_gguf(os.path.join(self.dir, "gpu.gguf"), name="gpu", **GPU_MODEL)
@@ -218,6 +226,10 @@ class AgentOnGpuTests(SynchronousTestCase):
         self.assertEqual(env.get(b"CUDA_VISIBLE_DEVICES"), b"0")
         self.assertEqual(env.get(b"CUDA_DEVICE_ORDER"), b"PCI_BUS_ID")
 
+    def assert_total_is_cudas(self, total: int) -> None:
+        """The agent places models in what CUDA can allocate, not in nvidia-smi's larger total."""
+        self.assertLessEqual(abs(total / MIB - self.listed[0].total_mib), 1, (total, self.listed))
+
     def assert_on_the_gpu(self, lines: List[str]) -> None:
         text = "\n".join(lines)
         self.assertRegex(text, r"found 1 CUDA devices")
@@ -234,6 +246,7 @@ class AgentOnGpuTests(SynchronousTestCase):
         self.assertEqual(inventory["backend"], BACKEND)
         device = inventory["devices"][0]
         self.assertEqual((device["device"], device["state"], device["model"]), (DEVICE, "ready", "gpu"))
+        self.assert_total_is_cudas(device["ref"]["memory_total_bytes"])
         pid = device["pid"]
 
         self.assert_pinned(pid)
@@ -267,8 +280,7 @@ class AgentOnGpuTests(SynchronousTestCase):
         on_gpu = [line for line in lines if "buffer size" not in line or BUFFER in line]
         real = logged_buffers(on_gpu, "gpu")
         print("\nbuffer lines:\n" + "\n".join(line for line in lines if "buffer size" in line))
-        handle = self.nvml.nvmlDeviceGetHandleByIndex(0)
-        used = {p.pid: p.usedGpuMemory for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(handle)}.get(pid)
+        used = process_memory(self.nvml, pid)
         buffers = sum(real.values())
         print(f"\nestimate {json.dumps(estimate)}\nlogged buffers (MiB) "
               f"{ {k: round(v / MIB, 2) for k, v in real.items()} }\nNVML: the child uses "
@@ -304,3 +316,63 @@ class AgentOnGpuTests(SynchronousTestCase):
         metrics = self.agent.inventory()["devices"][0]["metrics"]
         self.assertGreater(metrics["memory_used_bytes"], 0)
         self.assertRegex(self.agent.log_text(), f"backend {BACKEND}: ")
+
+
+#: About 1.6 GB of F32 weights (8 layers of 2048, heads of 128), 16k cells over 4 slots.
+BIG_MODEL = {"n_embd": 2048, "n_head": 16, "n_ff": 5632, "n_layer": 8, "n_ctx": 16384}
+
+
+class RuntimeOnGpuTests(SynchronousTestCase):
+    """What a child really takes on the GPU (NVML's per-process figure) against
+    the estimate: its buffers, plus ``RUNTIME_BYTES["cuda"]`` for the CUDA
+    context and workspaces, once loaded and after four streams have run."""
+
+    def setUp(self) -> None:
+        self.nvml = nvml()
+        self.addCleanup(self.nvml.nvmlShutdown)
+        self.binary, _ = cuda_llama_server()
+        self.dir = os.path.abspath(self.mktemp())
+        os.makedirs(self.dir)
+        path = write_tiny_gguf(os.path.join(self.dir, "big.gguf"), name="big", **BIG_MODEL)
+        self.agent = AgentProcess(self.dir, {
+            "backend": BACKEND, "devices": [DEVICE], "llama_server_bin": self.binary,
+            "llama_server_startup_timeout_s": 120, "max_pending_requests_per_device": 8,
+            "models": [{"model_id": "big", "path": path, "ctx_size": 16384,
+                        "server_args": {"parallel": 4, "log-verbosity": 4}}],
+        })
+        self.addCleanup(self.agent.stop)
+
+    def test_the_estimate_covers_what_the_child_takes(self) -> None:
+        status, _, raw = self.agent.request("GET", "/v1/models")
+        estimate = json.loads(raw)["data"][0]["memory_estimate"]
+        status, _, raw = self.agent.request("POST", f"/v1/node/devices/{DEVICE}/load", {"model": "big"}, timeout=120)
+        self.assertEqual(status, 200, raw)
+        pid = self.agent.inventory()["devices"][0]["pid"]
+        loaded = process_memory(self.nvml, pid)
+        streams = [Stream(self.agent.port, "big") for _ in range(4)]
+        for s in streams:
+            s.start()
+        try:
+            wait_until(lambda: all(s.first.is_set() for s in streams), 60, what="four streams")
+            busy = process_memory(self.nvml, pid)
+        finally:
+            for s in streams:
+                s.stop()
+        self.assertEqual([s.error for s in streams], [None] * 4)
+        status, _, raw = self.agent.request("GET", f"/v1/node/devices/{DEVICE}/logs?tail=1000")
+        lines = json.loads(raw)["lines"]
+        real = logged_buffers([line for line in lines if "buffer size" not in line or BUFFER in line], "big")
+        buffers = int(sum(real.values()))
+        report: Dict[str, Any] = {
+            "estimate_MiB": {k: round(v / MIB, 1) for k, v in estimate.items() if k.endswith("_bytes")},
+            "gpu_buffers_MiB": {k: round(v / MIB, 1) for k, v in real.items()},
+            "nvml_loaded_MiB": round((loaded or 0) / MIB), "nvml_busy_MiB": round((busy or 0) / MIB),
+            "runtime_loaded_MiB": round(((loaded or 0) - buffers) / MIB),
+            "runtime_busy_MiB": round(((busy or 0) - buffers) / MIB),
+        }
+        print("\n" + json.dumps(report, indent=1))
+        self.assertIsNotNone(busy)
+        for part, logged in (("weights_bytes", real["model"]), ("kv_cache_bytes", real["KV"])):
+            self.assertLess(abs(estimate[part] - logged) / logged, 0.15, report)
+        self.assertLessEqual(max(loaded or 0, busy or 0) - buffers, RUNTIME_BYTES["cuda"], report)
+        self.assertLessEqual(max(loaded or 0, busy or 0), estimate["total_bytes"], report)
