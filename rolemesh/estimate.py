@@ -496,9 +496,10 @@ def estimate(
 
 #: Device memory a llama-server child takes beyond the buffers llama.cpp
 #: logs, per device it uses.  cuda: the CUDA context, cuBLAS's workspace and
-#: CUDA graphs; NVML's per-process figure on an H200 (CUDA 13.0, driver
-#: 580.159) was 589 MiB over the buffers once loaded and 687 MiB after the
-#: first request (``tests/integration/test_cuda_real.py``), so 768 MiB.
+#: CUDA graphs.  NVML's per-process figure on an H200 (CUDA 13.0, driver
+#: 580.159) was 588-589 MiB over the logged buffers once loaded and 684-687
+#: MiB once requests had run, the same for a 10 MiB and a 1.6 GB model
+#: (``tests/integration/test_cuda_real.py``), so 768 MiB.
 #: Not measured for the other GPU backends (0): set
 #: ``device_memory_reserve_bytes`` there.
 RUNTIME_BYTES: Dict[str, int] = {"cuda": 768 << 20}

@@ -15,7 +15,7 @@
 #   list-devices.txt        the build's version and --list-devices, unpinned and pinned to GPU 0
 #   check.txt               rolemesh-node-agent --check with `backend: auto` and a generated model
 #   trial.log               tests.integration.test_cuda_real (the exit status is trial's)
-#   capacity.txt            with --bench: bench/capacity.py (one run) on this GPU
+#   capacity.txt            with --bench: bench/capacity.py (three runs, medians) on this GPU
 set -u
 out=${1:?usage: scripts/gpu-check.sh OUTDIR [LLAMA_SERVER] [--bench]}
 shift
@@ -70,8 +70,8 @@ status=$?
 tail -n 3 "$out/trial.log"
 
 if [ "$bench" = 1 ] && [ -n "$bin" ]; then
-    say "bench/capacity.py (one run)"
-    "$py" bench/capacity.py --runs 1 --requests 200 --streams 10 --seconds 3 --no-nginx \
+    say "bench/capacity.py (three runs)"
+    "$py" bench/capacity.py --runs 3 --requests 200 --streams 10 --seconds 3 --no-nginx \
         --llama-server "$bin" > "$out/capacity.txt" 2>&1 || say "capacity bench failed: see capacity.txt"
 fi
 say "done: trial exit status $status"
