@@ -179,3 +179,25 @@ class BadConfigTests(SynchronousTestCase):
             self.assertNotIn("Traceback", output)
             self.assertEqual(output.count(f"rolemesh-node-agent: cannot start: Couldn't listen on 127.0.0.1:{port}"),
                              1, output)
+
+
+class GpuCheckScriptTests(SynchronousTestCase):
+    """``scripts/gpu-check.sh`` on a host without a GPU: it still records what
+    it can, says which backend ``--check`` chose, and its CUDA tests skip."""
+
+    def test_runs_and_keeps_what_it_saw(self) -> None:
+        out = os.path.abspath(self.mktemp())
+        done = subprocess.run(["bash", os.path.join(CHECKOUT, "scripts", "gpu-check.sh"), out],
+                              env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
+                              timeout=300)
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+        self.assertIn("== tests.integration.test_cuda_real", done.stdout)
+        for name in ("nvidia-smi.txt", "check.txt", "trial.log"):
+            self.assertTrue(os.path.exists(os.path.join(out, name)), name)
+        with open(os.path.join(out, "check.txt")) as f:
+            check = f.read()
+        self.assertRegex(check, r"# backend: \w+ \(")
+        self.assertRegex(check, r"tiny: [\d.]+ [KMG]iB \(weights")
+        with open(os.path.join(out, "trial.log")) as f:
+            trial = f.read()
+        self.assertRegex(trial, r"PASSED \((skips=\d+, )?successes=\d+\)|PASSED \(skips=\d+\)")
