@@ -73,7 +73,7 @@ class QueueFull(Exception):
     """Every eligible device already holds its limit of pending requests."""
 
 
-@attr.s(eq=False, auto_attribs=True)
+@attr.s(eq=False, auto_attribs=True, slots=True)  # one per request
 class Ticket:
     """One request's place in the scheduler."""
 
@@ -259,7 +259,8 @@ class Scheduler:
         self.devices[device].free_memory = free_bytes
 
     def is_idle(self, device: str) -> bool:
-        return self.devices[device].pending == 0
+        book = self.devices[device]
+        return not book.running and not book.queue
 
     # -- the per-lane loop -----------------------------------------------------
 
@@ -305,8 +306,9 @@ class Scheduler:
     def _pump(self, book: DeviceBook) -> bool:
         """Start what may start on ``book``; True if anything did."""
         started = False
+        overlapped = bool(self.overlaps[book.name])  # else no other lane's claim can stop it
         while book.queue:
-            if self._claims_over(book):
+            if overlapped and self._claims_over(book):
                 return started
             head = book.queue[0]
             if head.model_id == book.model:
