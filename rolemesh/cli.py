@@ -7,7 +7,6 @@ command never shows a traceback for bad input.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple, cast
 
@@ -19,8 +18,6 @@ from rolemesh.config import NodeConfig, as_dict, load_config
 from rolemesh.devices import DeviceRef
 from rolemesh.errors import ConfigError
 from rolemesh.llama_args import build_argv
-from rolemesh.llama_build import DEVICE_PREFIXES, check_gpu_support
-from rolemesh.llama_build import describe as describe_build
 
 PROG = "rolemesh-node-agent"
 
@@ -42,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_report(config: NodeConfig, out: TextIO) -> None:
     """What ``--check`` prints: resolved config, backend, devices, argv lists."""
-    from rolemesh.service import choose_backend, resolve_binary
+    from rolemesh.service import build_report, choose_backend, resolve_binary
 
     tls = tls_report(config)  # before any output: a bad certificate is one line and exit 2
     choice = choose_backend(config)
@@ -50,11 +47,7 @@ def check_report(config: NodeConfig, out: TextIO) -> None:
     out.write("# resolved configuration (secrets redacted)\n")
     out.write(yaml.safe_dump(as_dict(config), sort_keys=False))
     out.write(f"\n# backend: {choice.backend.name} ({choice.reason})\n")
-    fine, about = describe_build(binary)
-    out.write(f"# {about}\n" if fine else f"# WARNING: {about}\n")
-    if choice.backend.name in DEVICE_PREFIXES and choice.devices:
-        env = choice.backend.child_environment(choice.devices[0], os.environ)
-        fine, about = check_gpu_support(choice.backend.name, binary, env)
+    for fine, about in build_report(binary, choice.backend, choice.devices):
         out.write(f"# {about}\n" if fine else f"# WARNING: {about}\n")
     out.write("# devices: " + ", ".join(d.name for d in choice.devices) + "\n")
     for line in tls:

@@ -22,6 +22,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import attr
 
+from rolemesh.backends.commands import ToolError, run_sync
+
 #: The note ``scripts/install-llama-server.sh`` writes beside the binary.
 BUILD_NOTE = "rolemesh-build.json"
 INSTALL_HINT = "scripts/install-llama-server.sh (see docs/installing-llama-server.md)"
@@ -124,8 +126,6 @@ def check_gpu_support(
     environment its children get, and judge it with :func:`gpu_support`."""
     if backend not in DEVICE_PREFIXES:
         return gpu_support(backend, binary, [])
-    from rolemesh.backends.commands import ToolError, run_sync
-
     runner = run or run_sync
     try:
         _, out, err = runner((binary, "--list-devices"), LIST_DEVICES_TIMEOUT_S, env=env)

@@ -443,13 +443,20 @@ def _llama_server(config: NodeConfig, backend: IDeviceBackend, devices: Sequence
     """The llama-server binary the config names or the one installed; says
     which build it is and whether it can use the backend's devices."""
     binary = resolve_binary(config)
-    fine, about = llama_build.describe(binary)
-    (log.info if fine else log.warn)("{about}", about=about)
-    if backend.name in llama_build.DEVICE_PREFIXES and devices:
-        env = backend.child_environment(devices[0], os.environ)
-        fine, about = llama_build.check_gpu_support(backend.name, binary, env)
+    for fine, about in build_report(binary, backend, devices):
         (log.info if fine else log.warn)("{about}", about=about)
     return binary
+
+
+def build_report(binary: str, backend: IDeviceBackend, devices: Sequence[DeviceRef]) -> List[Tuple[bool, str]]:
+    """``(fine, line)`` about the llama-server build: whether other CPUs can
+    run it and, on a GPU backend, whether it sees the backend's devices (its
+    ``--list-devices`` in the environment the first child gets)."""
+    lines = [llama_build.describe(binary)]
+    if backend.name in llama_build.DEVICE_PREFIXES and devices:
+        env = backend.child_environment(devices[0], os.environ)
+        lines.append(llama_build.check_gpu_support(backend.name, binary, env))
+    return lines
 
 
 def _supervisors(
