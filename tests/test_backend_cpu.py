@@ -138,14 +138,14 @@ class CpuBackendTests(SynchronousTestCase):
         self.assertEqual((device.name, device.index, device.cpus), ("cpu:0", 0, ()))
         self.assertEqual(device.memory_total_bytes, MEMTOTAL)
         self.assertEqual((device.vendor, device.model), ("AuthenticAMD", "AMD EPYC"))
-        self.assertEqual(backend.child_arguments(device), {})
+        self.assertEqual(backend.child_arguments(device), {"device": "none"})  # a GPU build offloads nothing
 
     def test_two_devices_on_two_cores(self) -> None:
         backend = self.backend(cpu_devices=2)
         devices = backend.discover()
         self.assertEqual([(d.name, d.cpus) for d in devices], [("cpu:0", (0,)), ("cpu:1", (1,))])
-        self.assertEqual(backend.child_arguments(devices[0]), {"cpu-range": "0-0", "threads": 1})
-        self.assertEqual(backend.child_arguments(devices[1]), {"cpu-range": "1-1", "threads": 1})
+        self.assertEqual(backend.child_arguments(devices[0]), {"device": "none", "cpu-range": "0-0", "threads": 1})
+        self.assertEqual(backend.child_arguments(devices[1]), {"device": "none", "cpu-range": "1-1", "threads": 1})
         self.assertEqual({d.memory_total_bytes for d in devices}, {MEMTOTAL})
 
     def test_cpu_devices_as_text_is_refused_like_the_config_key(self) -> None:
@@ -162,15 +162,15 @@ class CpuBackendTests(SynchronousTestCase):
         devices = self.backend(cpu_devices=2, cores=(2, 3, 5, 6, 7)).discover()
         self.assertEqual([d.cpus for d in devices], [(2, 3, 5), (6, 7)])
         backend = self.backend(cpu_devices=2, cores=(2, 3, 5, 6, 7))
-        self.assertEqual(backend.child_arguments(devices[0]), {"cpu-mask": "2c", "threads": 3})
+        self.assertEqual(backend.child_arguments(devices[0]), {"device": "none", "cpu-mask": "2c", "threads": 3})
 
     def test_numa_nodes(self) -> None:
         sysfs = fake_numa(self, {0: "0-3", 1: "4-7", 2: ""})
         devices = self.backend("numa", cores=(0, 1, 2, 3, 4, 6, 7), sysfs=sysfs).discover()
         self.assertEqual([(d.name, d.cpus) for d in devices], [("cpu:0", (0, 1, 2, 3)), ("cpu:1", (4, 6, 7))])
         backend = self.backend("numa", sysfs=sysfs)
-        self.assertEqual(backend.child_arguments(devices[0]), {"cpu-range": "0-3", "threads": 4})
-        self.assertEqual(backend.child_arguments(devices[1]), {"cpu-mask": "d0", "threads": 3})
+        self.assertEqual(backend.child_arguments(devices[0]), {"device": "none", "cpu-range": "0-3", "threads": 4})
+        self.assertEqual(backend.child_arguments(devices[1]), {"device": "none", "cpu-mask": "d0", "threads": 3})
 
     def test_numa_without_sysfs_is_one_pinned_group(self) -> None:
         devices = self.backend("numa", cores=(0, 1)).discover()

@@ -471,12 +471,13 @@ class PinEnvironmentTests(SynchronousTestCase):
         env = self.pinned(VulkanBackend(), DeviceRef("vulkan", 2, "gpu:2"))
         self.assertEqual(env["GGML_VK_VISIBLE_DEVICES"], "2")
 
-    def test_metal_and_cpu_add_nothing(self) -> None:
-        for backend, device in (
-            (MetalBackend(), DeviceRef("metal", 0, "gpu:0")),
-            (CpuBackend(), DeviceRef("cpu", 0, "cpu:0", cpus=(0, 1))),
-        ):
-            self.assertEqual(self.pinned(backend, device), self.base)
+    def test_metal_adds_nothing(self) -> None:
+        self.assertEqual(self.pinned(MetalBackend(), DeviceRef("metal", 0, "gpu:0")), self.base)
+
+    def test_cpu_hides_nvidia_gpus(self) -> None:
+        """A CUDA build given ``--device none`` still opens a CUDA context on GPU 0 (measured on an H200)."""
+        pinned = self.pinned(CpuBackend(), DeviceRef("cpu", 0, "cpu:0", cpus=(0, 1)))
+        self.assertEqual(pinned, {**self.base, "CUDA_VISIBLE_DEVICES": ""})
 
     def test_no_backend_gives_an_empty_environment(self) -> None:
         device = DeviceRef("x", 0, "gpu:0", cpus=(0,))

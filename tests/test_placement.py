@@ -348,11 +348,11 @@ class PinTests(SynchronousTestCase):
         backend = CpuBackend(cpu_devices=2, allowed_cores=lambda: [0, 1, 2, 3])
         refs = self.refs("cpu", cpus=[(0, 1), (2, 3)])
         defaults, env, cpus = pin_child(backend, refs, {"PATH": "/bin"})
-        self.assertEqual(defaults, {"cpu-range": "0-3", "threads": 4})
-        self.assertEqual(env, {"PATH": "/bin"})
+        self.assertEqual(defaults, {"device": "none", "cpu-range": "0-3", "threads": 4})
+        self.assertEqual(env, {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": ""})
         self.assertEqual(cpus, (0, 1, 2, 3))
         gappy = self.refs("cpu", cpus=[(0,), (2,)])
-        self.assertEqual(pin_child(backend, gappy, {})[0], {"cpu-mask": "5", "threads": 2})
+        self.assertEqual(pin_child(backend, gappy, {})[0], {"device": "none", "cpu-mask": "5", "threads": 2})
 
     def test_group_names(self) -> None:
         self.assertEqual(group_name(["cuda:0", "cuda:1"]), "cuda:0+cuda:1")

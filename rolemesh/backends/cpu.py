@@ -152,6 +152,13 @@ def _sysconf_memory() -> Optional[int]:
         return None
 
 
+#: llama-server's "offload to no device" (``--device none``).
+NO_OFFLOAD: Dict[str, Any] = {"device": "none"}
+#: CUDA's "no device visible".  (Other GPU runtimes are not hidden: their
+#: children keep their buffers in RAM through ``--device none``.)
+HIDE_GPUS: Dict[str, str] = {"CUDA_VISIBLE_DEVICES": ""}
+
+
 @implementer(IDeviceBackend)
 class CpuBackend(UsesReactor[IReactorTime]):
     """The host's CPUs as one or more devices."""
@@ -260,13 +267,17 @@ class CpuBackend(UsesReactor[IReactorTime]):
         return succeed(out)
 
     def child_environment(self, device: DeviceRef, base_environment: Mapping[str, str]) -> Dict[str, str]:
-        """The parent's environment, unchanged: cpu children are pinned by arguments instead."""
-        return dict(base_environment)
+        """The parent's environment with no NVIDIA GPU visible: with ``--device
+        none`` alone a CUDA build still opens a CUDA context on GPU 0 (518 MiB
+        of an H200's memory, measured), which no device's figures count."""
+        return {**base_environment, **HIDE_GPUS}
 
     def child_arguments(self, device: DeviceRef) -> Dict[str, Any]:
-        """``cpu-range`` (or ``cpu-mask``) and ``threads`` for a core group; nothing for the whole host."""
+        """``device: none`` (a GPU build of llama-server would otherwise offload
+        to whatever GPU it finds, outside the memory this device accounts for),
+        plus ``cpu-range`` (or ``cpu-mask``) and ``threads`` for a core group."""
         if not device.cpus:
-            return {}
+            return dict(NO_OFFLOAD)
         rng = cpu_range(device.cpus)
         pin = {"cpu-range": rng} if rng else {"cpu-mask": cpu_mask(device.cpus)}
-        return {**pin, "threads": len(device.cpus)}
+        return {**NO_OFFLOAD, **pin, "threads": len(device.cpus)}

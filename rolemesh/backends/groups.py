@@ -80,12 +80,17 @@ def group_cpus(members: Sequence[DeviceRef]) -> Tuple[int, ...]:
     return tuple(sorted(set().union(*(d.cpus for d in members))))
 
 
+_CORE_FLAGS = ("cpu-range", "cpu-mask", "threads")
+
+
 def group_arguments(backend: IDeviceBackend, members: Sequence[DeviceRef]) -> Dict[str, Any]:
     """llama-server flags the group wants unless the model sets them."""
     if len(members) == 1:
         return dict(backend.child_arguments(members[0]))
     out: Dict[str, Any] = {}
     if all(d.backend == "cpu" for d in members):
+        # the members' own flags (``device: none``) but the union of their cores
+        out.update((k, v) for k, v in backend.child_arguments(members[0]).items() if k not in _CORE_FLAGS)
         cpus = group_cpus(members)
         if cpus:
             rng = cpu_range(cpus)

@@ -19,6 +19,9 @@ agent as a process with ``backend: cuda``:
 - holds the memory estimate to what the child allocated on the GPU (the
   logged buffers), and prints what the CUDA context adds on top of them.
 
+and with ``backend: cpu`` on the same host the child keeps off the GPU
+(``--device none``, no CUDA device visible): NVML does not list it.
+
 ``scripts/gpu-check.sh`` runs this module on a GPU host and keeps the output.
 """
 
@@ -376,3 +379,31 @@ class RuntimeOnGpuTests(SynchronousTestCase):
             self.assertLess(abs(estimate[part] - logged) / logged, 0.15, report)
         self.assertLessEqual(max(loaded or 0, busy or 0) - buffers, RUNTIME_BYTES["cuda"], report)
         self.assertLessEqual(max(loaded or 0, busy or 0), estimate["total_bytes"], report)
+
+
+class CpuBackendOnGpuHostTests(SynchronousTestCase):
+    """``backend: cpu`` on a GPU host with a CUDA build: the child runs on the
+    CPU (``--device none``), not on the GPU its memory is not counted in."""
+
+    def test_the_child_leaves_the_gpu_alone(self) -> None:
+        self.nvml = nvml()
+        self.addCleanup(self.nvml.nvmlShutdown)
+        binary, _ = cuda_llama_server()
+        directory = os.path.abspath(self.mktemp())
+        os.makedirs(directory)
+        path = write_tiny_gguf(os.path.join(directory, "gpu.gguf"), name="gpu", **GPU_MODEL)
+        agent = AgentProcess(directory, {
+            "backend": "cpu", "llama_server_bin": binary, "llama_server_startup_timeout_s": 120,
+            "models": [{"model_id": "gpu", "path": path, "ctx_size": 4096, "server_args": {"log-verbosity": 4}}],
+        })
+        self.addCleanup(agent.stop)
+        body = {"model": "gpu", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+        status, _, raw = agent.request("POST", "/v1/chat/completions", body, timeout=120)
+        self.assertEqual(status, 200, raw)
+        pid = agent.inventory()["devices"][0]["pid"]
+        status, _, raw = agent.request("GET", "/v1/node/devices/cpu:0/logs?tail=1000")
+        lines = [line for line in json.loads(raw)["lines"] if "buffer size" in line or "--device" in line]
+        print("\n" + "\n".join(lines), f"\nNVML: the child uses {process_memory(self.nvml, pid)} bytes of GPU memory")
+        self.assertTrue(lines)
+        self.assertEqual([line for line in lines if "CUDA0" in line], [])
+        self.assertIsNone(process_memory(self.nvml, pid))
