@@ -58,7 +58,7 @@ models:
     path: $check_dir/tiny.gguf
 YAML
 "$venv/bin/rolemesh-node-agent" --config "$check_dir/node.yaml" --check > "$check_dir/check.txt"
-grep -q "^tiny @ cpu:0: $binary " "$check_dir/check.txt" || {
+grep -q "^tiny @ cpu:0: \([A-Z_]*=[^ ]* \)*$binary " "$check_dir/check.txt" || {
     say "--check did not name $binary:"; cat "$check_dir/check.txt" >&2; exit 1; }
 case "${ROLEMESH_LLAMA_CMAKE_ARGS:-}" in
     *GGML_NATIVE=ON*) ;;
