@@ -18,7 +18,7 @@ import json
 import os
 import re
 import shutil
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import attr
 
@@ -119,7 +119,7 @@ def gpu_support(backend: str, binary: str, listed: Optional[Sequence[ListedDevic
 def check_gpu_support(
     backend: str,
     binary: str,
-    env: Optional[dict] = None,
+    env: Optional[Mapping[str, str]] = None,
     run: Optional[Callable[..., Tuple[int, str, str]]] = None,
 ) -> Tuple[bool, str]:
     """Run ``binary --list-devices`` (blocking: start-up only) with the

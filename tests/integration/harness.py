@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Dict, List, Optional
 
@@ -159,3 +162,47 @@ class AgentProcess:
                 self.process.wait(10)
         self._log.close()
         return self.process.returncode
+
+
+class Stream(threading.Thread):
+    """A streamed completion through the agent (``body``, POSTed to
+    ``/v1/completions``) until ``stop()``; with ``repeat`` one after another,
+    since a small model on a fast device ends each one quickly."""
+
+    def __init__(self, port: int, body: Dict[str, Any], repeat: bool = False) -> None:
+        super().__init__(daemon=True)
+        self.port, self.body, self.repeat = port, body, repeat
+        self.first, self.stopping = threading.Event(), threading.Event()
+        self.status: Optional[int] = None  # of the latest answer
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        try:
+            self.one()
+            while self.repeat and not self.stopping.is_set():
+                self.one()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.first.set()
+
+    def one(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            conn.request("POST", "/v1/completions", body=json.dumps(self.body),
+                         headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            self.status = response.status
+            if response.status != 200:
+                raise AssertionError(f"stream answered {response.status}: {response.read()[:300]!r}")
+            while not self.stopping.is_set():
+                line = response.readline()
+                if not line:
+                    break
+                if line.startswith(b"data:"):
+                    self.first.set()
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self.stopping.set()

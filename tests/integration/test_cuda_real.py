@@ -27,11 +27,9 @@ and with ``backend: cpu`` on the same host the child keeps off the GPU
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import subprocess
-import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -49,7 +47,7 @@ from rolemesh.estimate import RUNTIME_BYTES
 from rolemesh.llama_build import ListedDevice, check_gpu_support, parse_list_devices
 from tests.fixtures.llama import LLAMA_SERVER_ENV, llama_server_binary
 from tests.fixtures.tiny_gguf import write_tiny_gguf
-from tests.integration.harness import AgentProcess, require_llama_server, wait_until
+from tests.integration.harness import AgentProcess, Stream, require_llama_server, wait_until
 from tests.integration.test_estimate_real import logged_buffers
 
 MIB = 1 << 20
@@ -83,50 +81,19 @@ def cuda_llama_server() -> Tuple[str, List[ListedDevice]]:
     return binary, listed
 
 
+def long_stream(model: str) -> Dict[str, Any]:
+    return {"model": model, "prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+
+
+def gpu_buffers(lines: List[str], model_id: str) -> Dict[str, float]:
+    """Bytes per part the last child of ``model_id`` logged on the GPU (``BUFFER``), not in host memory."""
+    return logged_buffers([line for line in lines if "buffer size" not in line or BUFFER in line], model_id)
+
+
 def process_memory(nvml: Any, pid: int) -> Optional[int]:
     """GPU memory NVML says process ``pid`` uses on GPU 0."""
     handle = nvml.nvmlDeviceGetHandleByIndex(0)
     return {p.pid: p.usedGpuMemory for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}.get(pid)
-
-
-class Stream(threading.Thread):
-    """One long streamed completion through the agent until ``stop()``."""
-
-    def __init__(self, port: int, model: str) -> None:
-        super().__init__(daemon=True)
-        self.port, self.model = port, model
-        self.first, self.stopping = threading.Event(), threading.Event()
-        self.error: Optional[BaseException] = None
-
-    def run(self) -> None:
-        try:
-            while not self.stopping.is_set():  # one stream after another: a tiny model ends them fast
-                self.one()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-        finally:
-            self.first.set()
-
-    def one(self) -> None:
-        body = {"model": self.model, "prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        try:
-            conn.request("POST", "/v1/completions", body=json.dumps(body),
-                         headers={"Content-Type": "application/json"})
-            response = conn.getresponse()
-            if response.status != 200:
-                raise AssertionError(f"stream answered {response.status}: {response.read()[:300]!r}")
-            while not self.stopping.is_set():
-                line = response.readline()
-                if not line:
-                    break
-                if line.startswith(b"data:"):
-                    self.first.set()
-        finally:
-            conn.close()
-
-    def stop(self) -> None:
-        self.stopping.set()
 
 
 class BuildCheckTests(SynchronousTestCase):
@@ -280,8 +247,7 @@ class AgentOnGpuTests(SynchronousTestCase):
         self.assertEqual(status, 200, raw)
         pid = self.agent.inventory()["devices"][0]["pid"]
         lines = self.child_lines()
-        on_gpu = [line for line in lines if "buffer size" not in line or BUFFER in line]
-        real = logged_buffers(on_gpu, "gpu")
+        real = gpu_buffers(lines, "gpu")
         print("\nbuffer lines:\n" + "\n".join(line for line in lines if "buffer size" in line))
         used = process_memory(self.nvml, pid)
         buffers = sum(real.values())
@@ -297,7 +263,7 @@ class AgentOnGpuTests(SynchronousTestCase):
     def test_inventory_shows_the_gpu_busy_under_load(self) -> None:
         status, _, raw = self.chat("gpu")
         self.assertEqual(status, 200, raw)
-        streams = [Stream(self.agent.port, "gpu") for _ in range(8)]
+        streams = [Stream(self.agent.port, long_stream("gpu"), repeat=True) for _ in range(8)]
         for s in streams:
             s.start()
         seen: List[Optional[float]] = []
@@ -352,7 +318,7 @@ class RuntimeOnGpuTests(SynchronousTestCase):
         self.assertEqual(status, 200, raw)
         pid = self.agent.inventory()["devices"][0]["pid"]
         loaded = process_memory(self.nvml, pid)
-        streams = [Stream(self.agent.port, "big") for _ in range(4)]
+        streams = [Stream(self.agent.port, long_stream("big"), repeat=True) for _ in range(4)]
         for s in streams:
             s.start()
         try:
@@ -364,7 +330,7 @@ class RuntimeOnGpuTests(SynchronousTestCase):
         self.assertEqual([s.error for s in streams], [None] * 4)
         status, _, raw = self.agent.request("GET", f"/v1/node/devices/{DEVICE}/logs?tail=1000")
         lines = json.loads(raw)["lines"]
-        real = logged_buffers([line for line in lines if "buffer size" not in line or BUFFER in line], "big")
+        real = gpu_buffers(lines, "big")
         buffers = int(sum(real.values()))
         report: Dict[str, Any] = {
             "estimate_MiB": {k: round(v / MIB, 1) for k, v in estimate.items() if k.endswith("_bytes")},

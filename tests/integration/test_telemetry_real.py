@@ -8,12 +8,10 @@ shipped dashboard and alert rules name only series it contains."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import shutil
 import subprocess
-import threading
 import time
 from typing import Any, Dict, List, Optional
 
@@ -26,7 +24,7 @@ from rolemesh.telemetry import load_progress
 from tests.fixtures.llama import free_port
 from tests.fixtures.tiny_gguf import write_tiny_gguf
 from tests.integration.fake_dispatcher_server import FakeDispatcherProcess
-from tests.integration.harness import AgentProcess, require_llama_server, wait_until
+from tests.integration.harness import AgentProcess, Stream, require_llama_server, wait_until
 from tests.test_telemetry import NO_PROMTOOL, alert_exprs, dashboard_exprs, exported_series, series_in
 
 DEVICE = "cpu:0"
@@ -35,42 +33,6 @@ SLOTS = 4
 #: Long enough that four streams outlast a telemetry sample (every 5 s) and a
 #: heartbeat on a busy 2-core machine; the test ends them itself once checked.
 STREAM = {"model": MODEL, "prompt": "hello", "max_tokens": 8000, "ignore_eos": True, "stream": True}
-
-
-class Stream(threading.Thread):
-    """One streamed completion through the agent; ``stop()`` hangs up."""
-
-    def __init__(self, port: int) -> None:
-        super().__init__(daemon=True)
-        self.port = port
-        self.first = threading.Event()
-        self.stopping = threading.Event()
-        self.events = 0
-        self.status: Optional[int] = None
-        self.error: Optional[BaseException] = None
-
-    def run(self) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        try:
-            conn.request("POST", "/v1/completions", body=json.dumps(STREAM),
-                         headers={"Content-Type": "application/json"})
-            response = conn.getresponse()
-            self.status = response.status
-            while not self.stopping.is_set():
-                line = response.readline()
-                if not line:
-                    break
-                if line.startswith(b"data:"):
-                    self.events += 1
-                    self.first.set()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-        finally:
-            self.first.set()
-            conn.close()
-
-    def stop(self) -> None:
-        self.stopping.set()
 
 
 class TelemetryRealTests(SynchronousTestCase):
@@ -134,7 +96,7 @@ class TelemetryRealTests(SynchronousTestCase):
         self.assertEqual(status, 200, body)  # loaded: the streams start together
         self.check_load_steps_of_this_build()
 
-        streams = [Stream(self.agent.port) for _ in range(SLOTS)]
+        streams = [Stream(self.agent.port, STREAM) for _ in range(SLOTS)]
         for stream in streams:
             self.addCleanup(stream.stop)
             stream.start()
