@@ -15,7 +15,7 @@ import json
 import re
 import time
 import uuid
-from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union, cast
+from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 from klein import Klein
 from twisted.internet import defer
@@ -33,7 +33,7 @@ from rolemesh.fast_channel import FastRoute
 from rolemesh.interfaces import ProxiedRequest, RouteRequest
 from rolemesh.logs import emit, one_write
 from rolemesh.node import Lease, Node
-from rolemesh.proxy import CLIENT_GONE, STALLED, Proxy, UpstreamUnreachable
+from rolemesh.proxy import CLIENT_GONE, STALLED, Forward, Proxy, UpstreamUnreachable
 from rolemesh.readiness import Readiness
 from rolemesh.reload import ReloadResult
 from rolemesh.supervisor import READY, DeviceSupervisor
@@ -140,15 +140,6 @@ class _Utf8Guard(Resource):
         return self._inner.render(request)
 
 
-_T = TypeVar("_T")
-
-
-def _passing(result: _T, then: Callable[[], None]) -> _T:
-    """``then()``, whatever ``result`` (a Deferred's ``finally``)."""
-    then()
-    return result
-
-
 class _Record:
     """What the request log line and the observers say of one proxied request."""
 
@@ -166,6 +157,89 @@ class _Record:
     def first_byte(self) -> None:
         if self.ttfb is None:
             self.ttfb = time.monotonic() - self.started
+
+
+class _Exchange:
+    """One proxied request's steps once it is placed: the lease, the relay,
+    the lease's release and the record, as plain method calls, firing
+    ``result`` at the end.  No chain of Deferreds: this runs for every
+    inference request, and the chaining cost more than the steps.  Only the
+    rare ends wait on Deferreds: a place in the queue or a load
+    (:meth:`wait`), a child that gave no answer (retried once) or went silent
+    (probed).  Cancelling ``result`` (the client went away) cancels what it
+    waits for: the place in the queue, or the relay (closing the upstream
+    connection, which stops the generation)."""
+
+    __slots__ = ("api", "request", "path", "body", "streaming", "record", "result", "_lease", "_forward",
+                 "_waiting")
+
+    def __init__(self, api: "NodeAPI", request: ProxiedRequest, path: str, body: bytes, streaming: bool,
+                 record: _Record) -> None:
+        self.api = api
+        self.request = request
+        self.path = path
+        self.body = body
+        self.streaming = streaming
+        self.record = record
+        self.result: "defer.Deferred[None]" = defer.Deferred(self._cancel)
+        self._lease: Optional[Lease] = None
+        #: The relay under way, or the Deferred waited for (at most one of the two).
+        self._forward: Optional[Forward] = None
+        self._waiting: "Optional[defer.Deferred[Any]]" = None
+
+    def wait(self, acquired: "defer.Deferred[Lease]") -> None:
+        """Relay once ``acquired`` fires (queued, or waiting for a load)."""
+        self._waiting = acquired
+        acquired.addCallbacks(self.relay, self._ended)
+
+    def relay(self, lease: Lease) -> None:
+        """Send the request to the lease's child."""
+        self._waiting = None
+        self._lease = lease
+        self.record.device = lease.device
+        config = self.api.config
+        try:
+            forward = self.api.proxy.start(
+                self.request, lease.endpoint.base_url, self.path, self.body, self.streaming,
+                config.request_timeout_s, self.record.first_byte, config.stream_idle_timeout_s, self._forwarded)
+        except Exception:  # a bug: the request is still answered (500) and the device freed
+            self._relayed(Failure())
+            return
+        if not forward.done:  # else it ended already (an answer the relay had at once)
+            self._forward = forward
+
+    def _forwarded(self, outcome: Union[str, Failure]) -> None:
+        self._forward = None
+        if isinstance(outcome, Failure) or outcome == STALLED:  # the rare ends: retried, or the child probed
+            lease = self._lease
+            assert lease is not None
+            waiting = self._waiting = self.api._after(outcome, lease, self.request, self.path, self.body,
+                                                      self.streaming, self.record)
+            waiting.addBoth(self._relayed)
+        else:
+            self._relayed(outcome)
+
+    def _relayed(self, outcome: Union[str, Failure]) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+        self._ended(outcome)
+
+    def _ended(self, outcome: Union[str, Failure]) -> None:
+        self._waiting = None
+        failed = self.api._proxied(outcome, self.request, self.record)
+        if self.result.called:  # cancelled, and what it waited for ended later
+            return
+        if failed is None:
+            self.result.callback(None)
+        else:
+            self.result.errback(failed)
+
+    def _cancel(self, _: "defer.Deferred[None]") -> None:
+        if self._forward is not None:
+            self._forward.cancel()
+        elif self._waiting is not None:
+            self._waiting.cancel()
 
 
 class NodeAPI:
@@ -462,9 +536,7 @@ class NodeAPI:
                          duration=duration, ttfb=record.ttfb)
 
     def _proxy(self, request: ProxiedRequest, endpoint: str, path: str) -> "defer.Deferred[None]":
-        """Check, place and relay one request; the explicit callbacks below
-        are its steps (this runs for every inference request: a generator
-        per request cost more than the rest of the agent's own work)."""
+        """Check, place and relay one request (see :class:`_Exchange` for its steps)."""
         record = _Record(endpoint, self._request_id(request), time.monotonic())
         try:
             self._authorize(request)
@@ -474,18 +546,16 @@ class NodeAPI:
             payload = parse_body(body, self.config.max_request_body_bytes)
             model = self.node.resolve(payload["model"])
             record.model = model.model_id
-            acquired = self.node.acquire(model)
+            lease = self.node.lease_now(model)
+            acquired = self.node.acquire(model) if lease is None else None
         except Exception:
-            d: "defer.Deferred[str]" = defer.fail()
+            return defer.fail().addBoth(self._proxied, request, record)
+        exchange = _Exchange(self, request, path, body, payload.get("stream") is True, record)
+        if acquired is None:
+            exchange.relay(lease)  # type: ignore[arg-type]  # not None when acquired is
         else:
-            d = acquired.addCallback(self._acquired, request, path, body, payload.get("stream") is True, record)
-        return d.addBoth(self._proxied, request, record)
-
-    def _acquired(self, lease: Lease, request: ProxiedRequest, path: str, body: bytes, streaming: bool,
-                  record: "_Record") -> "defer.Deferred[str]":
-        record.device = lease.device
-        d = self._relay(request, lease, path, body, streaming, record)
-        return d.addBoth(_passing, lease.release)
+            exchange.wait(acquired)
+        return exchange.result
 
     def _proxied(self, result: Union[str, Failure], request: ProxiedRequest, record: "_Record") -> Optional[Failure]:
         """How it ended, for the record; logged and observed once the answer is out."""
@@ -501,26 +571,29 @@ class NodeAPI:
         self._record_later(record, time.monotonic())  # written RECORD_DELAY_S later: after the answer's end
         return failed
 
-    def _relay(self, request: ProxiedRequest, lease: Lease, path: str, body: bytes, streaming: bool,
-               record: "_Record") -> "defer.Deferred[str]":
-        """Forward to the lease's child; once more to a fresh child if it was
-        unreachable; a child that timed out or went silent is checked."""
+    def _after(self, outcome: Union[str, Failure], lease: Lease, request: ProxiedRequest, path: str, body: bytes,
+               streaming: bool, record: "_Record") -> "defer.Deferred[str]":
+        """The rare ends of a relay: a child that gave no answer (once more to
+        a fresh child, if it was unreachable) or none in time, or went silent
+        mid-answer: it is checked.  Fires with the outcome, or fails."""
+        if not isinstance(outcome, Failure):
+            return self._stalled(lease)
         forward = functools.partial(
             self.proxy.forward, request, path=path, body=body, streaming=streaming,
             timeout=self.config.request_timeout_s, idle_timeout=self.config.stream_idle_timeout_s,
             on_first_byte=record.first_byte)
-        d = forward(base_url=lease.endpoint.base_url)
-        d.addCallbacks(self._answered, self._not_answered, callbackArgs=(lease,), errbackArgs=(lease, forward))
-        return d
+        return self._not_answered(outcome, lease, forward)
 
     def _answered(self, outcome: str, lease: Lease) -> Union[str, "defer.Deferred[str]"]:
-        if outcome != STALLED:
-            return outcome
+        return self._stalled(lease) if outcome == STALLED else outcome
+
+    def _stalled(self, lease: Lease) -> "defer.Deferred[str]":
+        """The answer went silent mid-way (and was ended): the child is checked."""
         log.warn("llama-server on {device} went silent for {seconds:g}s mid-answer "
                  "(stream_idle_timeout_s); answer ended, child probed",
                  device=lease.device, seconds=self.config.stream_idle_timeout_s)
         return self.node.check_child(lease, "an answer gone silent (stream_idle_timeout_s)").addCallback(
-            lambda _: outcome)
+            lambda _: STALLED)
 
     @defer.inlineCallbacks
     def _not_answered(self, failure: Failure, lease: Lease, forward: Callable[..., "defer.Deferred[str]"]

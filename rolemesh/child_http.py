@@ -158,6 +158,13 @@ class ChildResponse:
     def deliverBody(self, protocol: IProtocol) -> None:  # noqa: N802 - IResponse's name
         self._conn.deliver_body(protocol)
 
+    def whole_body(self) -> Optional[bytes]:
+        """The body, when all of it came with the head and ended cleanly
+        (most non-streamed answers): taken at once, instead of through a body
+        protocol (no producer to register, nothing to wait for).  Else None,
+        and ``deliverBody`` as usual."""
+        return self._conn.take_whole_body()
+
 
 class ChildConnection(Protocol):
     """One connection to a child; one request at a time."""
@@ -425,6 +432,12 @@ class ChildConnection(Protocol):
             body.connectionLost(reason)
         else:
             self._ended = reason
+
+    def take_whole_body(self) -> Optional[bytes]:
+        if self._body is not None or self._ended is None or not isinstance(self._ended.value, ResponseDone):
+            return None
+        pending, self._pending, self._ended = self._pending, [], None
+        return pending[0] if len(pending) == 1 else b"".join(pending)
 
     def deliver_body(self, protocol: IProtocol) -> None:
         self._body = protocol

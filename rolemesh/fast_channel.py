@@ -100,7 +100,13 @@ class ResponseHeaders:
 
     def setRawHeaders(self, name: bytes, values: List[bytes]) -> None:  # noqa: N802 - Headers' name
         # A line break in a name or value would end the head early (response
-        # splitting): replaced by a space, as twisted.web's Headers do.
+        # splitting): replaced by a space, as twisted.web's Headers do.  (The
+        # checks are inline for the usual header, one value without one.)
+        if len(values) == 1:
+            value = values[0]
+            if not (b"\n" in value or b"\r" in value or b"\n" in name or b"\r" in name):
+                self._headers[name.lower()] = [value]
+                return
         self._headers[_one_line(name).lower()] = [_one_line(v) for v in values]
 
     def removeHeader(self, name: bytes) -> None:  # noqa: N802 - Headers' name
@@ -176,16 +182,17 @@ class FastRequest:
         self.responseHeaders.setRawHeaders(name, [value])
 
     def _head(self, body_length: Optional[int]) -> bytes:
-        headers = self.responseHeaders
-        if body_length is not None and not headers.hasHeader(b"content-length"):
-            headers.setRawHeaders(b"content-length", [b"%d" % body_length])
-        elif not headers.hasHeader(b"content-length") and self.code not in (204, 304):
-            self._chunked = True
-            headers.setRawHeaders(b"transfer-encoding", [b"chunked"])
+        fields = self.responseHeaders._headers  # this module's own class: its dict, not its methods
+        if b"content-length" not in fields:
+            if body_length is not None:
+                fields[b"content-length"] = [b"%d" % body_length]
+            elif self.code not in (204, 304):
+                self._chunked = True
+                fields[b"transfer-encoding"] = [b"chunked"]
         if self._close_after:
-            headers.setRawHeaders(b"connection", [b"close"])
+            fields[b"connection"] = [b"close"]
         lines = [b"HTTP/1.1 %d %s\r\n" % (self.code, self.code_message), b"Date: ", self.channel.date(), b"\r\n"]
-        for name, values in headers.items():
+        for name, values in fields.items():
             canonical = _canonical(name)
             for value in values:
                 lines += (canonical, b": ", value, b"\r\n")

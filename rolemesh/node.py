@@ -120,6 +120,10 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         #: Estimates worked out once per (model record, lane, reserve): pure,
         #: and asked for several times per request.
         self._estimates: Dict[Tuple[ModelConfig, str, int], MemoryEstimate] = {}
+        #: Placements worked out once per (model record, pinned lane) and
+        #: kept until the config or a device's memory sample changes: every
+        #: request asks, and the answer depends on nothing else.
+        self._placements: Dict[Tuple[ModelConfig, Optional[str]], Tuple[List[str], Dict[str, int], Optional[str]]] = {}
         self._read_facts = read_facts
         self.metrics: Dict[str, DeviceMetrics] = {}
         self.draining = False
@@ -286,6 +290,35 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
                 self.config.queue_timeout_s, self._queue_timed_out, ticket, request)
         return request.result
 
+    def lease_now(self, model: ModelConfig) -> Optional[Lease]:
+        """A lease at once, without a Deferred, when the request would start
+        there and then on a ready child of ``model`` (see
+        :meth:`Scheduler.admit`: nearly every request on a node serving its
+        models); else None, and nothing changed: :meth:`acquire` then, which
+        queues, loads, switches or refuses."""
+        if self.draining:
+            return None
+        try:
+            lanes, need, _ = self._placement(model, None)
+        except errors.ApiError:
+            return None  # acquire() refuses it, the same way
+        supervisors = self.supervisors
+        ticket = self.scheduler.admit(model.model_id, model.parallel, lanes, need,
+                                      ready=lambda lane: supervisors[lane].serving(model) is not None)
+        if ticket is None:
+            return None
+        supervisor = supervisors[ticket.device]  # type: ignore[index]
+        endpoint = supervisor.serving(model)
+        assert endpoint is not None  # ready() said so, a moment ago
+        self._started(supervisor.name, model, 0.0)
+        return Lease(ticket, endpoint, supervisor, self._release)
+
+    def _started(self, device: str, model: ModelConfig, waited: float) -> None:
+        """A request begins on ``device``: its idle timers stop, its queue wait is observed."""
+        self._cancel_idle_timer(device)
+        self._cancel_inference_probe(device)
+        self._emit("queue_wait", device=device, model=model.model_id, seconds=waited)
+
     def _queue_timed_out(self, ticket: Ticket, request: _Acquisition) -> None:
         request.queue_timer = None
         if ticket.state != QUEUED or request.result.called:
@@ -370,7 +403,19 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
 
     def _placement(self, model: ModelConfig,
                    device: Optional[str]) -> Tuple[List[str], Dict[str, int], Optional[str]]:
-        """(eligible lanes, need per lane, pinned lane) for a request."""
+        """(eligible lanes, need per lane, pinned lane) for a request; raises
+        the ApiError that refuses it.  Shared, so never changed by a caller."""
+        key = (model, device)
+        placed = self._placements.get(key)
+        if placed is None:
+            placed = self._place(model, device)  # a refusal is not kept: worked out again, and rare
+            if len(self._placements) >= 1024:  # pinned loads name devices: bounded all the same
+                self._placements.clear()
+            self._placements[key] = placed
+        return placed
+
+    def _place(self, model: ModelConfig,
+               device: Optional[str]) -> Tuple[List[str], Dict[str, int], Optional[str]]:
         lanes = self.lanes_for(model)
         missing = [lane for lane in lanes if lane not in self.scheduler.devices]
         if missing:  # a reload named a device group this node was not started with
@@ -445,9 +490,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             request.loading.cancel()
 
     def _ticket_started(self, ticket: Ticket) -> None:
-        evicting = self._evict(ticket)
         if isinstance(ticket.context, _Unload):
-            self._unload_started(ticket, ticket.context, evicting)
+            self._unload_started(ticket, ticket.context, self._evict(ticket))
             return
         request: _Acquisition = ticket.context  # type: ignore[assignment]
         self._stop_queue_timer(request)
@@ -456,10 +500,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             self._refuse(request)
             return
         supervisor = self.supervisors[ticket.device]  # type: ignore[index]
-        self._cancel_idle_timer(supervisor.name)
-        self._cancel_inference_probe(supervisor.name)
-        self._emit("queue_wait", device=supervisor.name, model=request.model.model_id,
-                   seconds=self.reactor.seconds() - request.queued_at)
+        self._started(supervisor.name, request.model, self.reactor.seconds() - request.queued_at)
         if not ticket.evict:
             endpoint = supervisor.serving(request.model)
             if endpoint is not None:  # nearly every request: the child is ready, no Deferred to wait on
@@ -475,7 +516,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
                 return Failure(defer.CancelledError())
             return supervisor.ensure(request.model)
 
-        request.loading = evicting.addBoth(load) if ticket.evict else supervisor.ensure(request.model)
+        request.loading = self._evict(ticket).addBoth(load) if ticket.evict else supervisor.ensure(request.model)
 
         def ready(endpoint: ChildEndpoint) -> None:
             lease = Lease(ticket, endpoint, supervisor, self._release)
@@ -615,6 +656,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         from rolemesh.reload import needs_new_child
 
         self.config = config
+        self._placements.clear()
         self.scheduler.pending_limit = config.max_pending_requests_per_device
         current = {m.model_id: m for m in config.models}
         for name, supervisor in self.supervisors.items():
@@ -725,6 +767,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         d.addTimeout(METRICS_TIMEOUT_S, self.reactor)
 
         def got(samples: List[DeviceMetrics]) -> None:
+            self._placements.clear()  # a device's total may come from its sample
             for sample in samples:
                 previous = self.metrics.get(sample.device)
                 if sample.stale and previous is not None:
@@ -744,6 +787,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             why = "timed out" if f.check(defer.TimeoutError, defer.CancelledError) else f.getErrorMessage()
             log.warn("device metrics sample failed: {why}", why=why)
             now = self.reactor.seconds()
+            self._placements.clear()
             for device in self.devices:
                 previous = self.metrics.get(device.name) or DeviceMetrics(
                     device.name, now, memory_total_bytes=device.memory_total_bytes

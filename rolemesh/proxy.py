@@ -16,7 +16,7 @@ fails on a stale pooled connection before any byte was sent is retried once.
 from __future__ import annotations
 
 import json
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
@@ -149,7 +149,7 @@ class _Relay(Protocol):
         self._ended(isinstance(reason.value, (ResponseDone, PotentialDataLoss)))  # Failure.check, cheaper
 
 
-class _Forward:
+class Forward:
     """One request on its way to a child and back: its deadlines and how it ended.
 
     Two deadlines: ``timeout`` (``request_timeout_s``) bounds a non-streaming
@@ -160,7 +160,7 @@ class _Forward:
 
     def __init__(self, proxy: "Proxy", request: ProxiedRequest, url: bytes, body: bytes, streaming: bool,
                  timeout: Optional[float], idle_timeout: Optional[float],
-                 on_first_byte: Optional[Callable[[], None]]) -> None:
+                 on_first_byte: Optional[Callable[[], None]], ended: Callable[[Union[str, Failure]], None]) -> None:
         self.proxy = proxy
         self.request = request
         self.url = url
@@ -169,7 +169,9 @@ class _Forward:
         self.timeout = timeout
         self.idle_timeout = idle_timeout
         self.on_first_byte = on_first_byte
-        self.result: Deferred = Deferred(self._cancel)
+        #: Told how it ended, once: an outcome (COMPLETE, ...) or a Failure.
+        self._ended = ended
+        self.done = False
         self.relay: Optional[_Relay] = None
         self.event_stream = False
         self.body_ended = False
@@ -180,11 +182,26 @@ class _Forward:
         self._idle: Optional[IDelayedCall] = None
         self._upstream: Optional[Deferred] = None
 
-    def start(self) -> "Deferred[str]":
+    def start(self) -> "Forward":
         if self.timeout is not None:
             self._deadline = self.proxy.reactor.callLater(self.timeout, self._expire, "request")
         self._send(fresh=False)
-        return self.result
+        return self
+
+    def _end(self, outcome: Union[str, Failure]) -> None:
+        if not self.done:
+            self.done = True
+            self._ended(outcome)
+
+    def cancel(self) -> None:
+        """The client went away: close the upstream connection (llama-server
+        stops generating); ends as CLIENT_GONE, or with CancelledError if the
+        connection is still closing."""
+        if self.done:
+            return
+        self.cancelled = True
+        self._abort_upstream()
+        self._end(Failure(defer.CancelledError()))
 
     def _send(self, fresh: bool) -> None:
         """Send the request: on a pooled connection, or (``fresh``) on one of
@@ -200,7 +217,7 @@ class _Forward:
             self._deadline = None
         else:
             self._idle = None
-        if self.result.called:
+        if self.done:
             return
         self.expired = which
         self._abort_upstream()
@@ -220,10 +237,6 @@ class _Forward:
 
     # -- the exchange -------------------------------------------------------------
 
-    def _cancel(self, _: Deferred) -> None:
-        self.cancelled = True
-        self._abort_upstream()
-
     def _abort_upstream(self) -> None:
         if self.relay is not None:
             self.relay.abort()
@@ -231,7 +244,7 @@ class _Forward:
             self._upstream.cancel()  # also reaches a Deferred it is chained to
 
     def _send_failed(self, failure: Failure, fresh: bool) -> None:
-        if (not fresh and _never_sent(failure) and not self.result.called and not self.cancelled
+        if (not fresh and _never_sent(failure) and not self.done and not self.cancelled
                 and self.expired is None):
             # The pooled connection was stale (llama-server closes after each
             # stream): once more on a fresh connection of its own, leaving
@@ -274,6 +287,14 @@ class _Forward:
             request.responseHeaders.removeHeader(b"content-length")
             request.setHeader(b"x-accel-buffering", b"no")
             request.setHeader(b"cache-control", b"no-cache")
+        whole = getattr(response, "whole_body", None)  # ChildAgent's answers have it; others deliver
+        body = whole() if whole is not None else None
+        if body is not None:
+            if body:
+                self._on_data()
+                request.write(body)
+            self._body_ended(True)
+            return
         self.relay = _Relay(request, self._body_ended, self._on_data)
         response.deliverBody(self.relay)
         if self.idle_timeout is not None and not self.body_ended:
@@ -281,22 +302,22 @@ class _Forward:
             self._idle = self.proxy.reactor.callLater(self.idle_timeout, self._expire, "idle")
 
     def _relayed(self, whole: bool) -> None:
-        if self.result.called:
+        if self.done:
             return
         if whole:
-            self.result.callback(COMPLETE)
+            self._end(COMPLETE)
         elif self.proxy._client_gone(self.request):
-            self.result.callback(CLIENT_GONE)
+            self._end(CLIENT_GONE)
         elif self.expired == "idle":
             silence = f"llama-server sent nothing for {self.idle_timeout:g}s (stream_idle_timeout_s)"
             self._end_cut_answer(silence)
-            self.result.callback(STALLED)
+            self._end(STALLED)
         elif self.event_stream and self.expired is None:
             self._end_cut_answer("llama-server closed the stream before it ended")
-            self.result.callback(STREAM_ERROR)
+            self._end(STREAM_ERROR)
         else:
             self._end_cut_answer(None)
-            self.result.callback(TRUNCATED)
+            self._end(TRUNCATED)
 
     def _end_cut_answer(self, why: Optional[str]) -> None:
         """A stream gets an SSE error event and ``[DONE]``; a body that broke
@@ -308,22 +329,22 @@ class _Forward:
             _abort_client(self.request)
 
     def _failed(self, failure: Failure) -> None:
-        if self.result.called:
+        if self.done:
             return
         if self.expired == "request":
             what = "start its stream" if self.streaming else "answer"
-            self.result.errback(
+            self._end(Failure(
                 errors.ApiError(504, f"llama-server did not {what} within {self.timeout:g}s (request_timeout_s)",
                                 "server_error", "upstream_timeout")
-            )
+            ))
         elif failure.check(defer.CancelledError) or self.cancelled:
             # Agent fails a cancelled request with ResponseNeverReceived
             # ([CancelledError]), not CancelledError: still the client's doing.
-            self.result.callback(CLIENT_GONE)
+            self._end(CLIENT_GONE)
         elif failure.check(ConnectError) or _never_sent(failure):
-            self.result.errback(UpstreamUnreachable(_describe(failure)))
+            self._end(Failure(UpstreamUnreachable(_describe(failure))))
         else:
-            self.result.errback(errors.upstream_error(f"llama-server failed the request: {_describe(failure)}"))
+            self._end(Failure(errors.upstream_error(f"llama-server failed the request: {_describe(failure)}")))
 
 
 def _abort_client(request: ProxiedRequest) -> None:
@@ -395,8 +416,29 @@ class Proxy(UsesReactor[IHTTPClientReactor]):
         nothing was sent to the client yet.  Cancelling it closes the
         upstream connection.
         """
+        result: "Deferred[str]" = Deferred(lambda _: exchange.cancel())
+        exchange = self.start(request, base_url, path, body, streaming, timeout, on_first_byte, idle_timeout,
+                              ended=lambda outcome: result.callback(outcome))  # a Failure errbacks
+        return result
+
+    def start(
+        self,
+        request: ProxiedRequest,
+        base_url: str,
+        path: str,
+        body: bytes,
+        streaming: bool,
+        timeout: Optional[float],
+        on_first_byte: Optional[Callable[[], None]],
+        idle_timeout: Optional[float],
+        ended: Callable[[Union[str, Failure]], None],
+    ) -> "Forward":
+        """:meth:`forward` without its Deferred (the request path's own,
+        which runs for every request): ``ended`` is told the outcome or the
+        Failure once, maybe before this returns; ``cancel()`` the returned
+        exchange when the client goes away."""
         url = (base_url + path).encode("ascii")
-        return _Forward(self, request, url, body, streaming, timeout, idle_timeout, on_first_byte).start()
+        return Forward(self, request, url, body, streaming, timeout, idle_timeout, on_first_byte, ended).start()
 
     @staticmethod
     def _client_gone(request: ProxiedRequest) -> bool:

@@ -215,6 +215,32 @@ class Scheduler:
         self._settle(book)
         return ticket
 
+    def admit(
+        self,
+        model_id: str,
+        parallel: int = 1,
+        lanes: Optional[Sequence[str]] = None,
+        need: Optional[Mapping[str, int]] = None,
+        ready: Callable[[str], bool] = lambda lane: True,
+    ) -> Optional[Ticket]:
+        """A running ticket at once, when :meth:`submit` would start one then
+        and there without a switch: the lane it would choose holds the model,
+        has a free slot and an empty queue, shares no device with another
+        lane, and is ``ready`` (the caller's say: its child answers now) --
+        nearly every request on a busy node.  Else None, and nothing changed:
+        :meth:`submit` it.  ``on_start`` is not called: the caller starts it."""
+        try:
+            book = self.choose(model_id, lanes=lanes, need=need)
+        except QueueFull:
+            return None
+        if (book.model != model_id or book.queue or len(book.running) >= book.slots or self.overlaps[book.name]
+                or not ready(book.name)):
+            return None
+        ticket = Ticket(next(self._ids), model_id, max(1, parallel), book.name, RUNNING, need=need)
+        book.slots = ticket.parallel  # as _start does
+        book.running.append(ticket)
+        return ticket
+
     # -- events ---------------------------------------------------------------
 
     def finish(self, ticket: Ticket) -> None:

@@ -284,6 +284,54 @@ class ProxiedRequestTests(ApiTestCase):
         self.assertEqual(h.chat({"model": "a", **CHAT}).code, 200)
 
 
+class RareEndTests(ApiTestCase):
+    """The ends of a relay that wait on Deferreds: a child that gave no
+    answer (checked, then retried once), a bug, a client leaving meanwhile."""
+
+    def refused(self, h: ApiHarness) -> Any:
+        h.node_h.load("a")
+        pending = h.send("POST", "/v1/chat/completions", {"model": "a", **CHAT})
+        h.treq.flush()
+        h.agent.last.fail(ConnectionRefusedError())
+        return pending
+
+    def test_an_unreachable_child_is_checked_and_the_request_sent_once_more(self) -> None:
+        h = ApiHarness(auto=False)
+        pending = self.refused(h)
+        self.assertEqual(len(h.agent.attempts), 2, "the try, then once more after the child was checked")
+        self.assertEqual(h.node_h.probe.calls[-1], ("http://127.0.0.1:20000", "alpha"), "the check")
+        self.assertEqual(h.node_h.book().pending, 1, "the device stays held meanwhile")
+        h.agent.last.respond(json_answer(h.agent.last))
+        self.assertEqual(h.finish(pending).code, 200)
+        self.assertTrue(h.node_h.idle())
+        self.assertEqual(h.observed[-1]["status"], 200)
+
+    def test_a_client_leaving_during_the_retry_closes_it(self) -> None:
+        h = ApiHarness(auto=False)
+        pending = self.refused(h)
+        retry = h.agent.last
+        pending.cancel()
+        h.treq.flush()
+        self.failureResultOf(pending)
+        self.assertEqual(retry.cancelled, 1)
+        self.assertTrue(h.node_h.idle())
+        self.assertEqual(h.observed[-1]["status"], 499)
+        self.assertEqual(self.flushLoggedErrors(), [])
+
+    def test_a_bug_in_the_relay_is_a_500_and_frees_the_device(self) -> None:
+        h = ApiHarness()
+        h.node_h.load("a")
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("bug")
+
+        h.proxy.start = broken  # type: ignore[method-assign]
+        self.assertError(h.chat({"model": "a", **CHAT}), 500)
+        self.assertTrue(h.node_h.idle())
+        self.assertEqual(h.observed[-1]["status"], 500)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+
 class DisconnectWhileWaitingTests(ApiTestCase):
     def test_disconnect_while_loading(self) -> None:
         h = self.h

@@ -85,6 +85,30 @@ class ChildAgentTests(SynchronousTestCase):
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:20000\r\nContent-Type: application/json\r\n"
             b'Content-Length: 8\r\n\r\n{"x": 1}')
 
+    def test_a_sized_answer_that_came_whole_is_taken_at_once(self) -> None:
+        d = self.send()
+        protocol, transport = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+        response = self.successResultOf(d)
+        self.assertEqual(response.whole_body(), b"hello")
+        self.assertIsNone(response.whole_body(), "taken once")
+        self.send()
+        self.assertEqual(len(self.reactor.tcpClients), 1, "the connection was pooled again, and is reused")
+
+    def test_a_body_still_coming_or_streamed_is_delivered(self) -> None:
+        d = self.send()
+        protocol, _ = self.connect()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhel")
+        response = self.successResultOf(d)
+        self.assertIsNone(response.whole_body())
+        body = Body()
+        response.deliverBody(body)
+        self.answer(protocol, b"lo")
+        self.assertEqual(b"".join(body.chunks), b"hello")
+        d = self.send()
+        self.answer(protocol, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n")
+        self.assertIsNone(self.successResultOf(d).whole_body(), "a stream under way goes through its body protocol")
+
     def test_a_body_from_any_producer(self) -> None:
         class Producer:
             length = 3

@@ -347,6 +347,65 @@ class SupervisorListenerTests(SynchronousTestCase):
         self.assertTrue(h.idle())
 
 
+class LeaseNowTests(SynchronousTestCase):
+    """``lease_now``: the request path's lease without a Deferred, for a
+    request that starts there and then on a ready child; anything else is
+    left to ``acquire``."""
+
+    def test_a_ready_child_with_a_free_slot_is_leased_at_once(self) -> None:
+        h = NodeHarness()
+        h.load("a")
+        h.events.clear()
+        lease = h.node.lease_now(h.model("a"))
+        assert lease is not None
+        self.assertEqual((lease.device, lease.endpoint.model_id, lease.ticket.state), ("gpu:0", "a", RUNNING))
+        self.assertEqual(h.book().running, [lease.ticket])
+        self.assertEqual(h.events, [("queue_wait", {"device": "gpu:0", "model": "a", "seconds": 0.0})])
+        lease.release()
+        lease.release()
+        self.assertTrue(h.idle())
+
+    def test_anything_else_is_left_to_acquire_and_changes_nothing(self) -> None:
+        h = NodeHarness()
+        self.assertIsNone(h.node.lease_now(h.model("a")), "not loaded: acquire loads it")
+        self.assertEqual((h.reactor.processes, h.book().pending), ([], 0))
+        h.load("a")
+        self.assertIsNone(h.node.lease_now(h.model("b")), "another model: acquire switches")
+        self.assertEqual(h.sup().state, READY)
+        first = h.node.lease_now(h.model("a"))
+        self.assertIsNotNone(first)
+        self.assertIsNone(h.node.lease_now(h.model("a")), "its one slot is taken: acquire queues")
+        self.assertEqual(h.book().pending, 1)
+        assert first is not None
+        first.release()
+        h.node.draining = True
+        self.assertIsNone(h.node.lease_now(h.model("a")), "draining: acquire refuses")
+
+    def test_a_child_that_is_loading_is_waited_for_through_acquire(self) -> None:
+        h = NodeHarness()
+        d = h.node.acquire(h.model("a"))  # loading: the books say "a", the child does not answer yet
+        self.assertIsNone(h.node.lease_now(h.model("a")))
+        h.answer("alpha")
+        self.successResultOf(d).release()
+        self.assertIsNotNone(h.node.lease_now(h.model("a")))
+
+    def test_a_lease_stops_the_idle_countdown_and_its_release_restarts_it(self) -> None:
+        h = NodeHarness(idle_unload_s=60)
+        h.node.startService()
+        self.addCleanup(lambda: h.node.running and h.node.stopService())
+        h.load("a")
+        h.reactor.advance(30)
+        lease = h.node.lease_now(h.model("a"))
+        assert lease is not None
+        h.reactor.advance(100)
+        self.assertEqual(h.sup().state, READY, "never unloaded under a request")
+        lease.release()
+        h.reactor.advance(59)
+        self.assertEqual(h.sup().state, READY)
+        h.reactor.advance(1)
+        self.assertEqual(h.sup().state, STOPPING)
+
+
 class IdleUnloadTests(SynchronousTestCase):
     def started(self, **top: Any) -> NodeHarness:
         h = NodeHarness(**top)

@@ -10,6 +10,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import attr
+from twisted.internet import defer
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from rolemesh import errors
@@ -20,7 +22,7 @@ from rolemesh.backends.rocm import RocmBackend
 from rolemesh.backends.sycl import SyclBackend
 from rolemesh.backends.vulkan import VulkanBackend
 from rolemesh.cli import check_report, memory_report
-from rolemesh.devices import DeviceRef
+from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.errors import ConfigError
 from rolemesh.estimate import GGUFFacts
 from rolemesh.node import Lease, Node
@@ -218,6 +220,30 @@ class FitTests(SynchronousTestCase):
         h = Harness()
         h.node.sample_metrics()
         self.assertEqual(h.node.scheduler.devices["gpu:0+gpu:1"].free_memory, 16 * GIB)
+
+
+class PlacementCacheTests(SynchronousTestCase):
+    """Placement is worked out once per model and kept (every request asks)
+    until what it depends on changes: the config, or a device's sample."""
+
+    def test_a_reload_that_changes_the_reserve_is_placed_anew(self) -> None:
+        models = [{"model_id": "a", "ctx_size": 4096}]
+        h = Harness(models=models)
+        h.lease("a").release()
+        h.node.reconfigure(make_config(models, device_memory_reserve_bytes=12 * GIB))
+        h.config = h.node.config
+        error = h.acquire("a")[0].value
+        self.assertEqual(error.code, "model_too_large")
+        self.assertIsNone(h.node.lease_now(h.model("a")))
+
+    def test_totals_that_only_samples_report_are_followed(self) -> None:
+        h = Harness(models=[{"model_id": "a", "ctx_size": 4096}])
+        h.node.devices = [attr.evolve(d, memory_total_bytes=None) for d in h.node.devices]
+        h.lease("a").release()  # no total known: never refused
+        h.backend.sample = lambda devices: defer.succeed(  # type: ignore[method-assign]
+            [DeviceMetrics(d.name, 0.0, 1 * GIB, 0, 1 * GIB, None) for d in devices])
+        h.node.sample_metrics()
+        self.assertEqual(h.acquire("a")[0].value.code, "model_too_large")
 
 
 class GroupTests(SynchronousTestCase):

@@ -396,7 +396,7 @@ class UpstreamFailureTests(ProxyTestCase):
         def broken(response: Any) -> None:
             raise RuntimeError("bug")
 
-        self.patch(proxy_module._Forward, "_got_response", lambda self, response: broken(response))
+        self.patch(proxy_module.Forward, "_got_response", lambda self, response: broken(response))
         d = self.forward()
         self.agent.last.respond(FakeResponse())
         self.assertEqual(self.failureResultOf(d, errors.ApiError).value.status, 502)
@@ -406,7 +406,7 @@ class UpstreamFailureTests(ProxyTestCase):
         def broken(whole: bool) -> None:
             raise RuntimeError("bug")
 
-        self.patch(proxy_module._Forward, "_relayed", lambda self, whole: broken(whole))
+        self.patch(proxy_module.Forward, "_relayed", lambda self, whole: broken(whole))
         d = self.forward()
         response = self.agent.last.respond(FakeResponse())
         response.finish()
@@ -540,6 +540,51 @@ class CancellationTests(ProxyTestCase):
         self.assertClientGone(d)
         self.assertEqual(self.agent.attempts[1].cancelled, 1)
         self.assertEqual(len(self.agent.attempts), 2)
+
+
+class StartTests(ProxyTestCase):
+    """``Proxy.start``: ``forward`` without its Deferred (the request path's)."""
+
+    def start(self, ended: List[Any]) -> Any:
+        return self.proxy.start(self.request, BASE, "/v1/chat/completions", b"{}", False, 30, None, None,
+                                ended.append)
+
+    def test_ended_is_told_once(self) -> None:
+        ended: List[Any] = []
+        exchange = self.start(ended)
+        self.assertFalse(exchange.done)
+        response = self.agent.last.respond(FakeResponse())
+        response.send(b"{}")
+        response.finish()
+        self.assertEqual(ended, [COMPLETE])
+        exchange.cancel()  # too late: nothing happens
+        self.assertEqual(ended, [COMPLETE])
+        self.assertEqual(self.agent.last.cancelled, 0)
+
+    def test_cancel_closes_upstream_and_ends_once(self) -> None:
+        ended: List[Any] = []
+        exchange = self.start(ended)
+        exchange.cancel()
+        exchange.cancel()
+        self.assertEqual(len(ended), 1)
+        self.assertTrue(ended[0] == CLIENT_GONE or ended[0].check(defer.CancelledError), ended)
+        self.assertEqual(self.agent.last.cancelled, 1)
+        self.assertEqual(self.clock.getDelayedCalls(), [], "the deadline timer is gone")
+
+    def test_an_answer_that_came_whole_is_written_without_a_producer(self) -> None:
+        class Whole(FakeResponse):
+            def whole_body(self) -> bytes:
+                return b'{"ok": 1}'
+
+            def deliverBody(self, protocol: Any) -> None:
+                raise AssertionError("the whole body was taken")
+
+        ended: List[Any] = []
+        self.start(ended)
+        self.agent.last.respond(Whole(headers={b"content-type": [b"application/json"]}))
+        self.assertEqual((ended, self.request.body), ([COMPLETE], b'{"ok": 1}'))
+        self.assertEqual(self.request.registrations, [])
+        self.assertEqual(self.clock.getDelayedCalls(), [])
 
 
 class StaleConnectionTests(ProxyTestCase):

@@ -451,3 +451,129 @@ class GroupSchedulerMachineTest(SynchronousTestCase):
     def test_groups_and_devices_under_random_event_sequences(self):
         run_state_machine_as_test(GroupSchedulerMachine,
                                   settings=settings(max_examples=300, stateful_step_count=40))
+
+
+class AdmitTests(SynchronousTestCase):
+    def test_a_ready_lane_with_a_free_slot_admits_at_once(self):
+        s, started = make(limit=3)
+        s.model_loaded("d0", "a", slots=2)
+        first = s.admit("a", 2)
+        second = s.admit("a", 2)
+        self.assertEqual([first.state, second.state], [RUNNING, RUNNING])
+        self.assertEqual(s.devices["d0"].running, [first, second])
+        self.assertEqual(started.started, [], "on_start is the caller's to do")
+        self.assertIsNone(s.admit("a", 2), "no free slot: it would queue")
+        s.finish(first)
+        self.assertEqual(s.devices["d0"].running, [second])
+
+    def test_what_would_wait_or_switch_is_left_to_submit(self):
+        s, _ = make(limit=3)
+        self.assertIsNone(s.admit("a"), "no model loaded: a load")
+        s.model_loaded("d0", "a")
+        self.assertIsNone(s.admit("b"), "another model: a switch")
+        self.assertIsNone(s.admit("a", ready=lambda lane: False), "the child does not answer yet")
+        held = s.submit("a")
+        queued = s.submit("a")
+        self.assertEqual(queued.state, QUEUED)
+        s.finish(held)  # the queued one starts
+        self.assertIsNone(s.admit("a"), "its slot is taken")
+        self.assertEqual([t.id for t in s.devices["d0"].running], [queued.id])
+
+    def test_a_full_device_admits_nothing(self):
+        s, _ = make(limit=1)
+        s.model_loaded("d0", "a", slots=4)
+        self.assertIsNotNone(s.admit("a", 4))
+        self.assertIsNone(s.admit("a", 4))
+
+    def test_lanes_that_share_devices_always_go_through_submit(self):
+        s, _ = make(devices=("d0", "d1"), limit=3, groups={"g": ("d0", "d1")})
+        s.model_loaded("d0", "a")
+        self.assertIsNone(s.admit("a", lanes=["d0"]))
+        self.assertEqual(s.devices["d0"].pending, 0)
+
+
+class AdmitMachine(RuleBasedStateMachine):
+    """``admit`` is ``submit`` without the queue: a scheduler that tries
+    ``admit`` first and one that only submits, given the same events, keep
+    the same books, start the same tickets on the same lanes and refuse the
+    same ones (lanes that share a device included: admit leaves them to
+    submit)."""
+
+    def __init__(self):
+        super().__init__()
+        groups = {"g": ("d0", "d1")}
+        self.scheduler = Scheduler(["d0", "d1", "d2"], 3, lambda t: None, 2, groups=groups)
+        self.plain = Scheduler(["d0", "d1", "d2"], 3, lambda t: None, 2, groups=groups)
+        self.tickets = []  # the admitting scheduler's (TicketRules finishes and cancels these)
+        self.twins = {}  # ticket id -> the plain scheduler's ticket
+
+    #: Tickets admitted, over all examples (the test checks admit was exercised).
+    admitted = 0
+
+    def _twin(self, ticket):
+        return self.twins[ticket.id]
+
+    @rule(model=st.sampled_from(["a", "b", "G"]), parallel=st.sampled_from([1, 2, 2]),
+          ready=st.sampled_from([True, True, False]))
+    def arrive(self, model, parallel, ready):
+        lanes = ["g"] if model == "G" else None
+        ticket = self.scheduler.admit(model, parallel, lanes, ready=lambda lane: ready)
+        if ticket is not None:
+            AdmitMachine.admitted += 1
+        else:
+            try:
+                ticket = self.scheduler.submit(model, parallel, lanes=lanes)
+            except QueueFull:
+                ticket = None
+        try:
+            twin = self.plain.submit(model, parallel, lanes=lanes)
+        except QueueFull:
+            twin = None
+        assert (ticket is None) == (twin is None), "one refused what the other took"
+        if ticket is not None:
+            assert (ticket.id, ticket.device, ticket.state) == (twin.id, twin.device, twin.state)
+            self.tickets.append(ticket)
+            self.twins[ticket.id] = twin
+
+    @rule(lane=st.sampled_from(["d0", "d1", "d2", "g"]), model=st.sampled_from(["a", "b", "G"]),
+          slots=st.sampled_from([1, 2]))
+    def loaded(self, lane, model, slots):
+        for s in (self.scheduler, self.plain):
+            s.model_loaded(lane, model, slots)
+
+    @rule(lane=st.sampled_from(["d0", "d1", "d2", "g"]))
+    def crash(self, lane):
+        model = self.scheduler.devices[lane].model
+        if model is not None:
+            for s in (self.scheduler, self.plain):
+                s.model_unloaded(lane, model)
+
+    @precondition(lambda self: any(t.state == RUNNING for t in self.tickets))
+    @rule(data=st.data())
+    def complete(self, data):  # both schedulers, the same ticket
+        ticket = data.draw(st.sampled_from([t for t in self.tickets if t.state == RUNNING]))
+        self.scheduler.finish(ticket)
+        self.plain.finish(self._twin(ticket))
+
+    @precondition(lambda self: any(t.state in (QUEUED, RUNNING) for t in self.tickets))
+    @rule(data=st.data())
+    def cancel(self, data):
+        ticket = data.draw(st.sampled_from([t for t in self.tickets if t.state in (QUEUED, RUNNING)]))
+        self.scheduler.cancel(ticket)
+        self.plain.cancel(self._twin(ticket))
+
+    @invariant()
+    def same_books(self):
+        def books(s):
+            return {name: (b.model, b.slots, b.held, [t.id for t in b.running], [t.id for t in b.queue])
+                    for name, b in s.devices.items()}
+        assert books(self.scheduler) == books(self.plain)
+        for ticket in self.tickets:
+            assert ticket.state == self._twin(ticket).state
+
+
+class AdmitMachineTest(SynchronousTestCase):
+    def test_admit_keeps_the_books_submit_keeps(self):
+        AdmitMachine.admitted = 0
+        run_state_machine_as_test(AdmitMachine, settings=settings(max_examples=200, stateful_step_count=40))
+        self.assertGreater(AdmitMachine.admitted, 50)
