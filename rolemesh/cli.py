@@ -137,6 +137,9 @@ def run(config: NodeConfig, config_paths: Tuple[Optional[str], Optional[str]] = 
     """Run the agent in the foreground until a signal stops it; SIGHUP
     re-reads ``config_paths`` (base, override), with ``overrides`` (the
     command line's) over them."""
+    from rolemesh import event_loop
+
+    event_loop.install()  # before the global reactor is first imported
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner
 

@@ -210,6 +210,7 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
             log.info("serving the OpenAI-compatible API ({scheme}) on {address}", scheme=scheme, address=port)
         if self.tls is not None:
             log.info("TLS certificate: {certificate}", certificate=self.tls.describe())
+        log.info("event loop: {reactor}", reactor=type(self.reactor).__name__)  # see rolemesh.event_loop
         if self.config.exposed_without_key:
             log.warn(
                 "!!! listening on {host} without an api_key: anyone who can reach this port can use "

@@ -6,7 +6,7 @@ import os
 import re
 
 from twisted.internet.task import Clock
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from rolemesh.reactor import UsesReactor, resolve_reactor
 
@@ -61,3 +61,28 @@ class ReactorInterfaceTests(SynchronousTestCase):
             self.assertTrue(bases, name)
             for base in bases:
                 self.assertTrue(base.implementedBy(PosixReactorBase), f"{name.__name__}: {base.__name__}")
+
+
+class AgentReactorClassTests(SynchronousTestCase):
+    def test_the_agents_reactor_is_an_epoll_reactor_with_every_named_set(self) -> None:
+        from rolemesh import event_loop
+        from rolemesh.interfaces import IAgentReactor, IBackendReactor, IHTTPClientReactor
+
+        if not hasattr(event_loop, "AgentEPollReactor"):
+            raise SkipTest("no epoll here")
+        from twisted.internet.epollreactor import EPollReactor
+
+        self.assertTrue(issubclass(event_loop.AgentEPollReactor, EPollReactor))
+        from zope.interface.interface import InterfaceClass
+
+        for name in (IAgentReactor, IBackendReactor, IHTTPClientReactor):  # as for the POSIX reactors above
+            for base in name.__iro__:
+                if isinstance(base, InterfaceClass) and base.__module__.startswith("twisted."):
+                    self.assertTrue(base.implementedBy(event_loop.AgentEPollReactor), base)
+
+    def test_install_leaves_an_installed_reactor_alone(self) -> None:
+        import twisted.internet.reactor  # noqa: F401 - trial's, installed already
+
+        from rolemesh import event_loop
+
+        self.assertFalse(event_loop.install())

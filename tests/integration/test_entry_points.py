@@ -28,10 +28,10 @@ def console_script(config_path: str) -> List[str]:
     return [sys.executable, "-m", "rolemesh.cli", "--config", config_path]
 
 
-def twistd(config_path: str) -> List[str]:
+def twistd(config_path: str, *options: str) -> List[str]:
     # ``python -m twisted.scripts.twistd`` does nothing (the module has no
     # ``__main__`` block); this is what the ``twistd`` script runs.
-    return [sys.executable, "-c", "from twisted.scripts.twistd import run; run()", "-n", "--pidfile=",
+    return [sys.executable, "-c", "from twisted.scripts.twistd import run; run()", *options, "-n", "--pidfile=",
             "rolemesh-node", "--config", config_path]
 
 
@@ -63,6 +63,8 @@ class EntryPointAgent(AgentProcess):
 
 class SignalTestsMixin:
     command: Any
+    #: The reactor class the entry point runs the agent on.
+    reactor: str
 
     def agent(self, flags: str, **top: Any) -> EntryPointAgent:
         self.dir = os.path.abspath(self.mktemp())  # type: ignore[attr-defined]
@@ -96,6 +98,18 @@ class SignalTestsMixin:
         wait_until(lambda: not pid_alive(child), 5, what="child gone")
         self.assertIn("node agent stopped", agent.log_text())  # type: ignore[attr-defined]
 
+    def test_runs_on_its_event_loop(self) -> None:
+        agent = self.agent("")
+        self.assertIn(f"event loop: {self.reactor}\n", agent.log_text())  # type: ignore[attr-defined]
+        conn = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=30)
+        for _ in range(3):  # answered over and over on the same connection
+            conn.request("POST", "/v1/chat/completions", json.dumps({**CHAT, "max_tokens": 2}),
+                         {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            self.assertEqual(response.status, 200)  # type: ignore[attr-defined]
+            json.loads(response.read())
+        conn.close()
+
     def test_second_sigterm_skips_the_drain(self) -> None:
         agent = self.agent("slow_tokens=0.2", shutdown_grace_s=120)
         conn, response = self.start_stream(agent, 1000)
@@ -117,16 +131,25 @@ class SignalTestsMixin:
 
 class ConsoleScriptSignalTests(SignalTestsMixin, SynchronousTestCase):
     command = staticmethod(console_script)
+    reactor = "AgentEPollReactor"
 
 
 class TwistdSignalTests(SignalTestsMixin, SynchronousTestCase):
     command = staticmethod(twistd)
+    reactor = "EPollReactor"  # twistd's default
 
     def test_sighup_reloads_under_twistd(self) -> None:
         agent = self.agent("")
         agent.process.send_signal(signal.SIGHUP)
         wait_until(lambda: "config reloaded (SIGHUP)" in agent.log_text(), 10, what="the reload")
         self.assertIsNone(agent.process.poll(), "SIGHUP must not stop the agent")
+
+
+class TwistdAgentReactorTests(SignalTestsMixin, SynchronousTestCase):
+    """Under twistd with ``--reactor rolemesh-epoll`` (the plugin's reactor)."""
+
+    command = staticmethod(lambda config_path: twistd(config_path, "--reactor", "rolemesh-epoll"))
+    reactor = "AgentEPollReactor"
 
 
 class BadConfigTests(SynchronousTestCase):

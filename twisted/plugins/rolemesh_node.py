@@ -1,8 +1,11 @@
-"""twistd plugin: ``twistd -n rolemesh-node --config ...``.
+"""twistd plugins: the service, ``twistd -n rolemesh-node --config ...``, and
+the agent's reactor, ``twistd --reactor rolemesh-epoll ...`` (see
+:mod:`rolemesh.event_loop`).
 
-A lazy ServiceMaker: nothing of the agent is imported until twistd runs it.
+Both are lazy: nothing of the agent is imported until twistd uses them.
 """
 
+from twisted.application.reactors import Reactor
 from twisted.application.service import ServiceMaker
 
 rolemesh_node = ServiceMaker(
@@ -10,4 +13,10 @@ rolemesh_node = ServiceMaker(
     "rolemesh.tap",
     "One llama-server per device behind an OpenAI-compatible API.",
     "rolemesh-node",
+)
+
+rolemesh_epoll = Reactor(
+    "rolemesh-epoll",
+    "rolemesh.event_loop",
+    "epoll without the per-event legacy log context (what rolemesh-node-agent runs on)",
 )
