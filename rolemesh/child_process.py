@@ -16,7 +16,6 @@ The mechanism under :class:`~rolemesh.supervisor.DeviceSupervisor`:
 from __future__ import annotations
 
 import collections
-import itertools
 import os
 import re
 import signal
@@ -70,9 +69,10 @@ _IMPORTANT = re.compile(rb"^\s*[\d.]+ E |error|failed|assert|abort", re.IGNORECA
 CHILD_EXEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_exec.py")
 
 
-def announces_ready(line: bytes) -> bool:
-    """The line says the child is about to answer (probe now, don't wait)."""
-    return any(hint in line for hint in _READY_HINTS)
+def announces_ready(text: bytes) -> bool:
+    """A line (or a read of lines) says the child is about to answer (probe
+    now, don't wait)."""
+    return any(hint in text for hint in _READY_HINTS)
 
 
 #: What every match of _IMPORTANT contains, lower-cased: the prefilter of a
@@ -81,15 +81,15 @@ def announces_ready(line: bytes) -> bool:
 _IMPORTANT_PARTS = (b" e ", b"error", b"failed", b"assert", b"abort")
 
 
-def to_log(lines: List[bytes], serving: bool, read: Optional[bytes] = None) -> List[int]:
-    """Which of one read's lines go to the log (see :func:`worth_logging`),
-    looking at the read once (``read``: the lines joined by newlines, when
-    the caller has it) instead of at each line."""
+def to_log(chunk: bytes, serving: bool) -> List[str]:
+    """The lines of one read (``chunk``: joined by newlines) that go to the
+    log (see :func:`worth_logging`), decoded; from a serving child, the read
+    is looked at once, and split only if it may hold an error line."""
     if serving:
-        low = (b"\n".join(lines) if read is None else read).lower()
+        low = chunk.lower()
         if not any(part in low for part in _IMPORTANT_PARTS):
             return []
-    return [i for i, line in enumerate(lines) if worth_logging(line, serving)]
+    return [line.decode("utf-8", "replace") for line in chunk.split(b"\n") if worth_logging(line, serving)]
 
 
 def worth_logging(line: bytes, serving: bool) -> bool:
@@ -134,32 +134,66 @@ def wrap_argv(argv: List[str], parent_pid: int, cpus: Tuple[int, ...] = ()) -> L
 class OutputRing:
     """The device's last ``size`` output lines, across children; the lines
     since :meth:`new_attempt` (at most ``attempt_size``) are the current
-    start attempt's, for its failure message."""
+    start attempt's, for its failure message.
+
+    A read of a child's output is kept as it came, one chunk of lines
+    (:meth:`add_chunk`), and decoded and split only when someone asks for
+    lines: a serving llama-server prints ~10 lines per request that nearly
+    nobody reads, and splitting and decoding each read cost 6% of the
+    agent's CPU per request (docs/performance.md)."""
 
     def __init__(self, size: int = LOG_LINES, attempt_size: int = ATTEMPT_LINES) -> None:
-        self.lines: Deque[str] = collections.deque(maxlen=size)
+        self._size = size
         self._attempt_size = attempt_size
+        #: Oldest first: a line (str), or a chunk of lines (bytes joined by
+        #: newlines), with its count of lines.
+        self._entries: Deque[Tuple[object, int]] = collections.deque()
+        self._held = 0
         self._appended = 0
         self._attempt_from = 0
 
     def append(self, text: str) -> None:
-        self.lines.append(text)
-        self._appended += 1
+        self._add(text, text.count("\n") + 1)
 
     def extend(self, texts: List[str]) -> None:
-        self.lines.extend(texts)
-        self._appended += len(texts)
+        for text in texts:
+            self.append(text)
+
+    def add_chunk(self, chunk: bytes) -> None:
+        """The complete lines of one read, joined by newlines (UTF-8, or
+        anything: decoded with replacement when read)."""
+        self._add(chunk, chunk.count(b"\n") + 1)
+
+    def _add(self, entry: object, count: int) -> None:
+        entries = self._entries
+        entries.append((entry, count))
+        self._held += count
+        self._appended += count
+        while self._held - entries[0][1] >= self._size:  # the oldest entry is no longer needed
+            self._held -= entries.popleft()[1]
+
+    @property
+    def lines(self) -> List[str]:
+        """The last ``size`` lines, oldest first."""
+        return self.tail(self._size)
 
     def new_attempt(self) -> None:
         """Lines from now on belong to a new start attempt."""
         self._attempt_from = self._appended
 
     def tail(self, count: int) -> List[str]:
-        """The last ``count`` lines, oldest first."""
-        count = min(count, len(self.lines))
+        """The last ``count`` lines (at most ``size``), oldest first."""
+        count = min(count, self._size, self._held)
         if count <= 0:
             return []
-        return list(itertools.islice(self.lines, len(self.lines) - count, None))
+        out: List[str] = []
+        taken = 0
+        for entry, lines in reversed(self._entries):  # only the newest entries that hold them
+            out.append(entry if isinstance(entry, str) else entry.decode("utf-8", "replace"))  # type: ignore[attr-defined]
+            taken += lines
+            if taken >= count:
+                break
+        return "\n".join(reversed(out)).split("\n")[-count:]
 
     def attempt(self) -> List[str]:
         """The current start attempt's lines (its last ``attempt_size``)."""
@@ -172,10 +206,10 @@ class ChildSink(Protocol):
     def child_progressed(self, child: "ChildProcess") -> None:
         """The child printed something (even half a line)."""
 
-    def child_output(self, child: "ChildProcess", fd: int, lines: List[bytes]) -> None:
+    def child_output(self, child: "ChildProcess", fd: int, chunk: bytes) -> None:
         """The complete lines of one read of the child's stdout (1) or stderr
-        (2), without their newlines (one call per read: a serving child
-        prints ~27 lines per request)."""
+        (2), joined by newlines, without the last one (one call per read: a
+        serving child prints ~10 lines per request)."""
 
     def child_ended(self, child: "ChildProcess", reason: Failure) -> None:
         """The child has exited and its pipes are closed."""
@@ -213,14 +247,17 @@ class ChildProcess(ProcessProtocol):
     def childDataReceived(self, childFD: int, data: bytes) -> None:
         self._sink.child_progressed(self)
         buffered = self._partial.get(childFD, b"") + data
-        *lines, self._partial[childFD] = buffered.split(b"\n")
-        if len(self._partial[childFD]) > RUNAWAY_LINE:  # a runaway line: keep it, bounded
-            lines.append(self._partial[childFD])
-            self._partial[childFD] = b""
-        if lines:
-            if b"\r" in buffered:
-                lines = [line.rstrip(b"\r") for line in lines]
-            self._sink.child_output(self, childFD, lines)
+        end = buffered.rfind(b"\n")
+        chunk: Optional[bytes] = buffered[:end] if end >= 0 else None
+        rest = buffered[end + 1:]
+        if len(rest) > RUNAWAY_LINE:  # a runaway line: keep it, bounded
+            chunk = rest if chunk is None else chunk + b"\n" + rest
+            rest = b""
+        self._partial[childFD] = rest
+        if chunk is not None:
+            if b"\r" in chunk:
+                chunk = b"\n".join(line.rstrip(b"\r") for line in chunk.split(b"\n"))
+            self._sink.child_output(self, childFD, chunk)
         if self.serving and not self.ended:
             self._batched(len(data))
 
@@ -272,7 +309,7 @@ class ChildProcess(ProcessProtocol):
         self._resume = None
         for fd, rest in self._partial.items():
             if rest:
-                self._sink.child_output(self, fd, [rest])
+                self._sink.child_output(self, fd, rest)
         self._sink.child_ended(self, reason)
 
     # -- stopping ---------------------------------------------------------------------

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union, cast
 
 import attr
 from twisted.application.service import Service
@@ -287,7 +287,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
     # -- reading -----------------------------------------------------------------
 
     @property
-    def logs(self) -> Deque[str]:
+    def logs(self) -> List[str]:
         """The device's last LOG_LINES lines of child output (read only)."""
         return self.output.lines
 
@@ -556,18 +556,16 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         if child is self._child and self._watch is not None:
             self._watch.progressed()
 
-    def child_output(self, child: ChildProcess, fd: int, lines: List[bytes]) -> None:
-        # Every line goes to the ring buffer (the logs endpoint, error tails);
-        # decoded at once (a newline is never inside a UTF-8 sequence).
-        read = b"\n".join(lines)
-        texts = read.decode("utf-8", "replace").split("\n")
-        self.output.extend(texts)
-        logged = to_log(lines, serving=self.state == READY, read=read)
+    def child_output(self, child: ChildProcess, fd: int, chunk: bytes) -> None:
+        # Every line goes to the ring buffer (the logs endpoint, error tails),
+        # as the read came: decoded when someone reads it.
+        self.output.add_chunk(chunk)
+        logged = to_log(chunk, serving=self.state == READY)
         if logged:
             model = self.model.model_id if self.model else None
-            for i in logged:
-                log.info("{device} {model}: {line}", device=self.name, model=model, line=texts[i], stream=fd)
-        if child is self._child and self._watch is not None and any(announces_ready(line) for line in lines):
+            for line in logged:
+                log.info("{device} {model}: {line}", device=self.name, model=model, line=line, stream=fd)
+        if child is self._child and self._watch is not None and announces_ready(chunk):
             self._watch.poke()
 
     def _record_failure(self, load: bool = False) -> float:

@@ -68,8 +68,8 @@ class Sink:
     def child_progressed(self, child: ChildProcess) -> None:
         self.progress += 1
 
-    def child_output(self, child: ChildProcess, fd: int, lines: List[bytes]) -> None:
-        self.lines.extend((fd, line) for line in lines)
+    def child_output(self, child: ChildProcess, fd: int, chunk: bytes) -> None:
+        self.lines.extend((fd, line) for line in chunk.split(b"\n"))
 
     def child_ended(self, child: ChildProcess, reason: Failure) -> None:
         self.ended.append(reason)
@@ -94,6 +94,38 @@ class OutputRingTests(SynchronousTestCase):
         for i in range(10):
             ring.append(f"l{i}")
         self.assertEqual(ring.attempt(), ["l6", "l7", "l8", "l9"])
+
+
+class OutputRingChunkTests(SynchronousTestCase):
+    """Reads kept as chunks read back as the lines they hold."""
+
+    def test_chunks_and_lines_read_back_in_order(self) -> None:
+        ring = OutputRing(size=5, attempt_size=3)
+        ring.append("note")
+        ring.new_attempt()
+        ring.add_chunk(b"a\nb\n\nc")  # an empty line is a line
+        ring.add_chunk("\u00e9t\u00e9".encode() + b"\n\xff")
+        self.assertEqual(ring.lines, ["b", "", "c", "\u00e9t\u00e9", "\ufffd"])
+        self.assertEqual(ring.tail(2), ["\u00e9t\u00e9", "\ufffd"])
+        self.assertEqual(ring.attempt(), ["c", "\u00e9t\u00e9", "\ufffd"])
+
+    @given(st.lists(st.one_of(st.lists(st.text(alphabet="ab\u00e9", max_size=3), min_size=1, max_size=6),
+                              st.text(alphabet="xy", max_size=3)), max_size=30),
+           st.integers(1, 12), st.integers(0, 15))
+    def test_same_as_keeping_every_line(self, entries: List[Any], size: int, count: int) -> None:
+        ring = OutputRing(size=size, attempt_size=size)
+        every: List[str] = []
+        for entry in entries:
+            if isinstance(entry, list):
+                ring.add_chunk("\n".join(entry).encode())
+                every.extend(entry)
+            else:
+                ring.append(entry)
+                every.append(entry)
+        self.assertEqual(ring.lines, every[-size:])
+        self.assertEqual(ring.tail(count), every[-min(count, size):] if count else [])
+        self.assertLessEqual(sum(n for _, n in ring._entries) - max([n for _, n in ring._entries] or [0]), size,
+                             "holds no entry it no longer needs")
 
 
 class InterfaceTests(SynchronousTestCase):
@@ -253,11 +285,12 @@ class ToLogTests(SynchronousTestCase):
          b"0.1 W warning", b"3 e lower", b"GGML_ASSERT(x) failed", b"Aborted (core dumped)", b"1.0 E"])),
         max_size=12), st.booleans())
     def test_same_lines_as_one_by_one(self, lines: List[bytes], serving: bool) -> None:
-        lines = [line.replace(b"\n", b" ") for line in lines]  # a read's lines hold no newline
-        self.assertEqual(to_log(lines, serving), [i for i, line in enumerate(lines) if worth_logging(line, serving)])
+        lines = [line.replace(b"\n", b" ") for line in lines] or [b""]  # a read's lines hold no newline
+        self.assertEqual(to_log(b"\n".join(lines), serving),
+                         [line.decode("utf-8", "replace") for line in lines if worth_logging(line, serving)])
 
     def test_a_serving_childs_request_lines_are_not_logged(self) -> None:
-        lines = [b"srv  log_server_r: request: POST /v1/chat/completions 127.0.0.1 200", b"slot release: id 0"]
-        self.assertEqual(to_log(lines, serving=True), [])
-        self.assertEqual(to_log(lines + [b"0.00.1 E boom"], serving=True), [2])
-        self.assertEqual(to_log(lines, serving=False), [0, 1])
+        read = b"srv  log_server_r: request: POST /v1/chat/completions 127.0.0.1 200\nslot release: id 0"
+        self.assertEqual(to_log(read, serving=True), [])
+        self.assertEqual(to_log(read + b"\n0.00.1 E boom", serving=True), ["0.00.1 E boom"])
+        self.assertEqual(to_log(read, serving=False), read.decode().split("\n"))
