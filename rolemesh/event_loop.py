@@ -16,54 +16,22 @@ and the dropped connection, are as before.
 
 ``rolemesh-node-agent`` installs it (:func:`install`) unless a reactor is
 installed already; under twistd it is ``--reactor rolemesh-epoll``.  Where
-epoll does not exist, Twisted's default reactor is used.
+epoll does not exist (``AgentEPollReactor`` is None), Twisted's default
+reactor is used.  The class lives in :mod:`rolemesh.twisted_compat`, with
+the other uses of Twisted's internals.
 """
 
 from __future__ import annotations
 
-import errno
 import sys
-from typing import Optional
 
-from twisted.python import log
-
-try:
-    from twisted.internet.epollreactor import EPollReactor
-except ImportError:  # no epoll (not Linux): the default reactor it is
-    EPollReactor = None  # type: ignore[assignment,misc]
-
-
-if EPollReactor is not None:
-
-    class AgentEPollReactor(EPollReactor):  # type: ignore[misc,valid-type]
-        """``EPollReactor`` whose dispatch skips the per-event log context."""
-
-        def doPoll(self, timeout: Optional[float]) -> None:  # noqa: N802 - Twisted's name
-            if timeout is None:
-                timeout = -1  # wait indefinitely
-            try:
-                events = self._poller.poll(timeout, len(self._selectables))
-            except OSError as err:
-                if err.errno == errno.EINTR:
-                    return
-                raise  # a programming error (see epoll_wait(2)): loudly, as Twisted does
-            dispatch = self._doReadOrWrite
-            for fd, event in events:
-                selectable = self._selectables.get(fd)
-                if selectable is None:
-                    continue
-                try:
-                    dispatch(selectable, fd, event)  # which catches and logs what doRead/doWrite raise
-                except Exception:  # what callWithLogger would have caught: logged, the loop goes on
-                    log.err(None, f"dispatching an event of {selectable!r}")
-
-        doIteration = doPoll
+from rolemesh.twisted_compat import AgentEPollReactor
 
 
 def install() -> bool:
     """Install :class:`AgentEPollReactor` as the global reactor; False (and
     nothing done) when a reactor is installed already or epoll is missing."""
-    if EPollReactor is None or "twisted.internet.reactor" in sys.modules:
+    if AgentEPollReactor is None or "twisted.internet.reactor" in sys.modules:
         return False
     from twisted.internet.main import installReactor
 
@@ -71,4 +39,4 @@ def install() -> bool:
     return True
 
 
-__all__ = ["install"] + (["AgentEPollReactor"] if EPollReactor is not None else [])
+__all__ = ["AgentEPollReactor", "install"]

@@ -11,9 +11,11 @@ ends of the supported range).
 from __future__ import annotations
 
 import errno
+from typing import Optional
 
 from twisted.internet import tcp
 from twisted.internet.interfaces import IReactorTime, ITransport
+from twisted.python import log as legacy_log
 from twisted.python.failure import Failure
 from twisted.web._newclient import RequestNotSent  # not in twisted.web.client.__all__
 from twisted.web.client import HTTPConnectionPool, RequestTransmissionFailed, ResponseNeverReceived
@@ -92,3 +94,42 @@ def write_now(transport: ITransport, data: bytes) -> None:
 
 #: The transports :func:`write_now` writes to directly: TCP connections, accepted and made.
 _PLAIN_TCP = frozenset({tcp.Server, tcp.Client})
+
+
+try:
+    from twisted.internet.epollreactor import EPollReactor as _EPollReactor
+except ImportError:  # no epoll (not Linux)
+    _EPollReactor = None  # type: ignore[assignment,misc]
+
+if _EPollReactor is not None:
+
+    class AgentEPollReactor(_EPollReactor):  # type: ignore[misc,valid-type]
+        """``EPollReactor`` whose dispatch skips the per-event legacy log
+        context (see :mod:`rolemesh.event_loop`): Twisted's ``doPoll`` with
+        ``_doReadOrWrite`` called directly instead of through
+        ``log.callWithLogger`` (checked against the installed Twisted's by
+        ``tests/test_twisted_compat.py``)."""
+
+        def doPoll(self, timeout: Optional[float]) -> None:  # noqa: N802 - Twisted's name
+            if timeout is None:
+                timeout = -1  # wait indefinitely
+            try:
+                events = self._poller.poll(timeout, len(self._selectables))
+            except OSError as err:
+                if err.errno == errno.EINTR:
+                    return
+                raise  # a programming error (see epoll_wait(2)): loudly, as Twisted does
+            dispatch = self._doReadOrWrite
+            for fd, event in events:
+                selectable = self._selectables.get(fd)
+                if selectable is None:
+                    continue
+                try:
+                    dispatch(selectable, fd, event)  # which catches and logs what doRead/doWrite raise
+                except Exception:  # what callWithLogger would have caught: logged, the loop goes on
+                    legacy_log.err(None, f"dispatching an event of {selectable!r}")
+
+        doIteration = doPoll
+
+else:
+    AgentEPollReactor = None  # type: ignore[assignment,misc]

@@ -68,7 +68,7 @@ class AgentReactorClassTests(SynchronousTestCase):
         from rolemesh import event_loop
         from rolemesh.interfaces import IAgentReactor, IBackendReactor, IHTTPClientReactor
 
-        if not hasattr(event_loop, "AgentEPollReactor"):
+        if event_loop.AgentEPollReactor is None:
             raise SkipTest("no epoll here")
         from twisted.internet.epollreactor import EPollReactor
 

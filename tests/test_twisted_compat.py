@@ -15,7 +15,7 @@ from twisted.internet.protocol import Protocol
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 from twisted.web._newclient import HTTP11ClientProtocol
 from twisted.web._newclient import Request as ClientRequest
 from twisted.web.http_headers import Headers
@@ -238,6 +238,56 @@ class WriteNowTests(SynchronousTestCase):
         self.peer.setblocking(False)
         with self.assertRaises(BlockingIOError):
             self.peer.recv(100)
+
+
+class AgentReactorTests(SynchronousTestCase):
+    """AgentEPollReactor copies EPollReactor.doPoll but for its dispatch:
+    the installed Twisted's must still poll and dispatch as it did when the
+    copy was made (the names and the one call the copy leaves out)."""
+
+    def test_the_installed_epoll_reactor_still_dispatches_as_copied(self) -> None:
+        import inspect
+
+        from rolemesh.twisted_compat import AgentEPollReactor
+
+        if AgentEPollReactor is None:
+            raise SkipTest("no epoll here")
+        from twisted.internet.epollreactor import EPollReactor
+
+        source = inspect.getsource(EPollReactor.doPoll)
+        for piece in ("self._poller.poll(timeout, len(self._selectables))", "_drdw = self._doReadOrWrite",
+                      "selectable = self._selectables[fd]",
+                      "log.callWithLogger(selectable, _drdw, selectable, fd, event)"):
+            self.assertIn(piece, source)
+        self.assertIs(EPollReactor.doIteration, EPollReactor.doPoll)
+        self.assertTrue(callable(getattr(EPollReactor, "_doReadOrWrite", None)))
+
+    def test_it_dispatches_what_the_poller_reports_and_survives_a_dispatch_error(self) -> None:
+        from rolemesh.twisted_compat import AgentEPollReactor
+
+        if AgentEPollReactor is None:
+            raise SkipTest("no epoll here")
+        reactor = AgentEPollReactor()  # not installed: only its dispatch is driven here
+        self.addCleanup(reactor._poller.close)
+        seen: List[Any] = []
+
+        class Poller:
+            def poll(self, timeout: float, count: int) -> List[Any]:
+                seen.append(("poll", timeout))
+                return [(7, 1), (8, 1), (9, 1)]
+
+        reactor._poller = Poller()  # type: ignore[assignment]
+        reactor._selectables = {7: "first", 9: "third"}  # fd 8 went away meanwhile: skipped
+
+        def dispatch(selectable: Any, fd: int, event: int) -> None:
+            seen.append((selectable, fd))
+            if selectable == "first":
+                raise RuntimeError("a bug in a dispatch")
+
+        reactor._doReadOrWrite = dispatch  # type: ignore[method-assign]
+        reactor.doIteration(None)
+        self.assertEqual(seen, [("poll", -1), ("first", 7), ("third", 9)])
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1, "the error was logged")
 
 
 class NoPrivateTwistedElsewhereTests(SynchronousTestCase):

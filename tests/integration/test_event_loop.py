@@ -71,7 +71,7 @@ class AgentReactorTests(SynchronousTestCase):
     def run_script(self) -> dict:
         from rolemesh import event_loop
 
-        if not hasattr(event_loop, "AgentEPollReactor"):
+        if event_loop.AgentEPollReactor is None:
             raise SkipTest("no epoll here: the agent runs on Twisted's default reactor")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([CHECKOUT, os.environ.get("PYTHONPATH", "")])}
         done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, timeout=60, env=env, cwd=CHECKOUT)
