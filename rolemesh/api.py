@@ -430,15 +430,28 @@ class NodeAPI:
 
     # -- proxied OpenAI routes ---------------------------------------------------------
 
-    def fast_routes(self) -> Dict[bytes, FastRoute]:
-        """The proxied routes, for :class:`~rolemesh.fast_channel.FastChannel`:
-        the same ``_proxy`` as the Klein routes below, with what Klein adds
-        (its error handlers) done here."""
-        return {path.encode("ascii"): functools.partial(self._fast_proxy, endpoint, path)
-                for endpoint, path in PROXIED_ROUTES}
+    def fast_routes(self) -> Dict[Tuple[bytes, bytes], FastRoute]:
+        """The routes :class:`~rolemesh.fast_channel.FastChannel` serves, by
+        ``(method, path)``: the proxied ones, and the GETs a client asks
+        between them (so a pooled connection stays on the fast path); the
+        same methods as the Klein routes below, with what Klein adds (its
+        error handlers) done here."""
+        routes: Dict[Tuple[bytes, bytes], FastRoute] = {
+            (b"POST", path.encode("ascii")): functools.partial(self._fast_proxy, endpoint, path)
+            for endpoint, path in PROXIED_ROUTES}
+        for path, route in ((b"/v1/models", self.models), (b"/health", self.health), (b"/ready", self.ready)):
+            routes[(b"GET", path)] = functools.partial(self._fast_get, route)
+        return routes
 
     def _fast_proxy(self, endpoint: str, path: str, request: ProxiedRequest) -> "defer.Deferred[Optional[bytes]]":
         return self._proxy(request, endpoint, path).addErrback(self._fast_error, request)
+
+    def _fast_get(self, route: Callable[[Any], bytes], request: ProxiedRequest) -> "defer.Deferred[Optional[bytes]]":
+        try:
+            body: Optional[bytes] = route(request)
+        except Exception:
+            body = self._fast_error(Failure(), request)
+        return defer.succeed(body)
 
     def _fast_error(self, failure: Failure, request: ProxiedRequest) -> bytes:
         if failure.check(errors.ApiError):

@@ -7,11 +7,13 @@ normalisation, Klein's werkzeug routing.  For the three routes every
 inference request takes (``POST /v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``), :class:`FastChannel` parses the request in one pass and
 hands a :class:`FastRequest` -- the slice of ``IRequest`` the proxy route
-uses -- to the route directly.
+uses -- to the route directly.  So it does for the ``GET`` routes clients
+ask between them (``/v1/models``, ``/health``, ``/ready``): a connection an
+OpenAI client pools, or a load balancer probes on, stays on the fast path.
 
 Anything else goes to twisted.web unchanged: the first request on a
-connection that is not a plain HTTP/1.1 ``POST`` to one of those paths with a
-``Content-Length`` body within the limit (another route or method, HTTP/1.0,
+connection that is not a plain HTTP/1.1 request for one of those routes with
+a ``Content-Length`` body within the limit (or, for a ``GET``, no body) (another route or method, HTTP/1.0,
 chunked or ``Expect: 100-continue`` bodies, a request head that did not
 arrive in one read, a malformed one) hands the connection, with the bytes
 read so far, to a regular :class:`~rolemesh.listener._GuardedChannel` for the
@@ -289,13 +291,15 @@ def parse_request_head(head: bytes) -> Optional[Tuple[bytes, bytes, Dict[bytes, 
     return parts[0], parts[1], headers
 
 
-def fast_body_length(headers: Dict[bytes, bytes], limit: Optional[int]) -> Optional[int]:
+def fast_body_length(headers: Dict[bytes, bytes], limit: Optional[int], method: bytes = b"POST") -> Optional[int]:
     """The body length of a request the fast path can read, else None: a
-    plain ``Content-Length`` within ``limit``, no transfer coding, no
-    ``Expect``, a UTF-8 ``Host``."""
+    plain ``Content-Length`` within ``limit`` (a ``GET`` may send none: no
+    body), no transfer coding, no ``Expect``, a UTF-8 ``Host``."""
     if b"transfer-encoding" in headers or b"expect" in headers or b"upgrade" in headers:
         return None
     raw = headers.get(b"content-length")
+    if raw is None and method == b"GET":
+        raw = b"0"
     if raw is None or not raw.isdigit() or len(raw) > 18:
         return None
     length = int(raw)
@@ -311,10 +315,11 @@ def fast_body_length(headers: Dict[bytes, bytes], limit: Optional[int]) -> Optio
 
 
 class FastChannel(Protocol):
-    """A client connection that serves ``routes`` itself and hands anything
-    else, for good, to the twisted.web channel ``make_fallback()`` builds."""
+    """A client connection that serves ``routes`` (``(method, path)`` ->
+    route) itself and hands anything else, for good, to the twisted.web
+    channel ``make_fallback()`` builds."""
 
-    def __init__(self, site: "GuardedSite", routes: Dict[bytes, FastRoute],
+    def __init__(self, site: "GuardedSite", routes: Dict[Tuple[bytes, bytes], FastRoute],
                  make_fallback: Callable[[], Protocol]) -> None:
         self.site = site
         self._routes = routes
@@ -412,8 +417,8 @@ class FastChannel(Protocol):
             self._hand_off()
             return
         method, path, headers = parsed
-        route = self._routes.get(path) if method == b"POST" else None
-        length = fast_body_length(headers, self.site.max_body_bytes) if route is not None else None
+        route = self._routes.get((method, path))
+        length = fast_body_length(headers, self.site.max_body_bytes, method) if route is not None else None
         if route is None or length is None:
             self._hand_off()
             return

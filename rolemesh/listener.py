@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 import json
-from typing import TYPE_CHECKING, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred
@@ -154,11 +154,13 @@ class GuardedSite(Site):
         request_read_timeout: Optional[float] = 30.0,
         max_connections: int = 1024,
         max_body_bytes: Optional[int] = None,
-        fast_routes: Optional[Dict[bytes, FastRoute]] = None,
+        fast_routes: Optional[Dict[Tuple[bytes, bytes], FastRoute]] = None,
     ) -> None:
         super().__init__(resource, requestFactory=LimitedRequest, timeout=idle_timeout, reactor=reactor)
-        #: Paths a :class:`~rolemesh.fast_channel.FastChannel` answers itself
-        #: (the proxied routes); None: every request goes through twisted.web.
+        #: ``(method, path)`` -> route: the requests a
+        #: :class:`~rolemesh.fast_channel.FastChannel` answers itself (the
+        #: proxied routes and a few GETs); None: every request goes through
+        #: twisted.web.
         self.fast_routes = fast_routes
         self.http_date = HttpDate(self.reactor)
         self.max_body_bytes = max_body_bytes

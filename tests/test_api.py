@@ -753,6 +753,22 @@ class FastChannelProxiedRequestTests(ProxiedRequestTests):
         self.assertEqual(answer.header("x-request-id") is not None, True)
 
 
+class FastChannelHealthAndModelsTests(HealthAndModelsTests):
+    fast = True
+
+    def test_served_by_the_fast_channel(self) -> None:
+        for path in ("/health", "/v1/models", "/ready"):
+            self.h.call("GET", path)
+        self.assertEqual(self.h.fast_served, 3)
+
+    def test_errors_as_through_klein(self) -> None:
+        h = ApiHarness(keys=["k"], fast=True)
+        self.assertError(h.call("GET", "/v1/models", key=None), 401)
+        self.assertEqual(h.call("GET", "/v1/models", key=None).header("www-authenticate"),
+                         'Bearer realm="rolemesh-node"')
+        self.assertEqual(h.fast_served, 2)
+
+
 class FastChannelDisconnectTests(DisconnectWhileWaitingTests):
     fast = True
 

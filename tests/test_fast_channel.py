@@ -72,6 +72,9 @@ class ParseTests(SynchronousTestCase):
     def test_body_length(self) -> None:
         self.assertEqual(fast_body_length({b"content-length": b"12"}, 100), 12)
         self.assertEqual(fast_body_length({b"content-length": b"0"}, None), 0)
+        self.assertEqual(fast_body_length({}, 100, b"GET"), 0, "a GET may send no length: no body")
+        self.assertEqual(fast_body_length({b"content-length": b"3"}, 100, b"GET"), 3)
+        self.assertIsNone(fast_body_length({b"transfer-encoding": b"chunked"}, 100, b"GET"))
         for headers in ({}, {b"content-length": b"-1"}, {b"content-length": b"1 2"},
                         {b"content-length": b"101"}, {b"content-length": b"1", b"transfer-encoding": b"chunked"},
                         {b"content-length": b"1", b"expect": b"100-continue"},
@@ -99,8 +102,8 @@ class ChannelTests(SynchronousTestCase):
         self.clock = Clock()
         self.clock.advance(1764540000)
         self.route = Route()
-        self.site = GuardedSite(SlowPath(), reactor=self.clock, idle_timeout=60,
-                                request_read_timeout=10, max_body_bytes=1000, fast_routes={b"/fast": self.route})
+        self.site = GuardedSite(SlowPath(), reactor=self.clock, idle_timeout=60, request_read_timeout=10,
+                                max_body_bytes=1000, fast_routes={(b"POST", b"/fast"): self.route})
         self.channel = self.site.buildProtocol(None)
         self.transport = StringTransport()
         self.channel.makeConnection(self.transport)
@@ -242,6 +245,30 @@ class ChannelTests(SynchronousTestCase):
             self.hand_off(data)
             self.tearDown()
 
+    def test_a_get_route_needs_no_body_and_keeps_the_connection_fast(self) -> None:
+        got = Route()
+        self.site.fast_routes[(b"GET", b"/models")] = got
+        self.channel.dataReceived(b"GET /models HTTP/1.1\r\nHost: node\r\n\r\n")
+        (request,) = got.requests
+        self.assertEqual((request.method, request.path, request.content.read()), (b"GET", b"/models", b""))
+        got.results[0].callback(b"[]")
+        self.assertTrue(self.transport.value().endswith(b"\r\n\r\n[]"))
+        self.channel.dataReceived(post())  # the next request on the same connection: still the fast path
+        self.assertEqual(len(self.route.requests), 1)
+        self.assertIsNone(self.channel._fallback)
+
+    def test_another_method_on_a_fast_path_goes_to_twisted_web(self) -> None:
+        for data in (b"HEAD /models HTTP/1.1\r\nHost: node\r\n\r\n",
+                     b"GET /fast HTTP/1.1\r\nHost: node\r\n\r\n",
+                     b"GET /models HTTP/1.1\r\nHost: node\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"):
+            self.setUp()
+            got = Route()
+            self.site.fast_routes[(b"GET", b"/models")] = got
+            self.channel.dataReceived(data)
+            self.assertEqual((got.requests, self.route.requests), ([], []), data)
+            self.assertIsNotNone(self.channel._fallback)
+            self.tearDown()
+
     def test_handed_off_connection_is_counted_once(self) -> None:
         self.hand_off(b"GET /health HTTP/1.1\r\nHost: node\r\n\r\n")
         self.channel.connectionLost(Failure(ConnectionDone()))
@@ -281,7 +308,7 @@ def _unused(_: Optional[Any]) -> Deferred:
 
 class CapTests(SynchronousTestCase):
     def test_the_connection_cap_counts_fast_channels(self) -> None:
-        site = GuardedSite(SlowPath(), reactor=Clock(), max_connections=2, fast_routes={b"/fast": Route()})
+        site = GuardedSite(SlowPath(), reactor=Clock(), max_connections=2, fast_routes={(b"POST", b"/fast"): Route()})
         first, second = site.buildProtocol(None), site.buildProtocol(None)
         self.assertIsNone(site.buildProtocol(None), "a third is refused")
         for channel in (first, second):
@@ -293,7 +320,8 @@ class CapTests(SynchronousTestCase):
 class BigBodyTests(SynchronousTestCase):
     def test_a_body_in_many_reads_is_joined_once(self) -> None:
         route = Route()
-        site = GuardedSite(SlowPath(), reactor=Clock(), max_body_bytes=1 << 20, fast_routes={b"/fast": route})
+        site = GuardedSite(SlowPath(), reactor=Clock(), max_body_bytes=1 << 20,
+                           fast_routes={(b"POST", b"/fast"): route})
         channel = site.buildProtocol(None)
         channel.makeConnection(StringTransport())
         body = b'{"model": "m", "prompt": "' + b"x" * 300_000 + b'"}'
@@ -309,7 +337,7 @@ class BigBodyTests(SynchronousTestCase):
 class HeaderTests(SynchronousTestCase):
     def test_no_line_break_reaches_the_head(self) -> None:
         route = Route()
-        site = GuardedSite(SlowPath(), reactor=Clock(), fast_routes={b"/fast": route})
+        site = GuardedSite(SlowPath(), reactor=Clock(), fast_routes={(b"POST", b"/fast"): route})
         channel = site.buildProtocol(None)
         transport = StringTransport()
         channel.makeConnection(transport)
