@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import signal
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from twisted.internet import defer
 from twisted.trial.unittest import SynchronousTestCase
@@ -347,6 +347,23 @@ class SupervisorListenerTests(SynchronousTestCase):
         self.assertTrue(h.idle())
 
 
+def assert_a_request_restarts_the_countdown(test: SynchronousTestCase, h: NodeHarness,
+                                            lease: Callable[[], Optional[Lease]]) -> None:
+    """With ``idle_unload_s: 60``: a request (``lease()``) 30 s into the
+    countdown stops it; its release starts it again from 60."""
+    h.load("a")
+    h.reactor.advance(30)
+    held = lease()
+    assert held is not None
+    h.reactor.advance(100)
+    test.assertEqual(h.sup().state, READY, "never unloaded under a request")
+    held.release()
+    h.reactor.advance(59)
+    test.assertEqual(h.sup().state, READY)
+    h.reactor.advance(1)
+    test.assertEqual(h.sup().state, STOPPING)
+
+
 class LeaseNowTests(SynchronousTestCase):
     """``lease_now``: the request path's lease without a Deferred, for a
     request that starts there and then on a ready child; anything else is
@@ -393,17 +410,7 @@ class LeaseNowTests(SynchronousTestCase):
         h = NodeHarness(idle_unload_s=60)
         h.node.startService()
         self.addCleanup(lambda: h.node.running and h.node.stopService())
-        h.load("a")
-        h.reactor.advance(30)
-        lease = h.node.lease_now(h.model("a"))
-        assert lease is not None
-        h.reactor.advance(100)
-        self.assertEqual(h.sup().state, READY, "never unloaded under a request")
-        lease.release()
-        h.reactor.advance(59)
-        self.assertEqual(h.sup().state, READY)
-        h.reactor.advance(1)
-        self.assertEqual(h.sup().state, STOPPING)
+        assert_a_request_restarts_the_countdown(self, h, lambda: h.node.lease_now(h.model("a")))
 
 
 class IdleUnloadTests(SynchronousTestCase):
@@ -440,16 +447,7 @@ class IdleUnloadTests(SynchronousTestCase):
 
     def test_a_request_restarts_the_countdown(self) -> None:
         h = self.started(idle_unload_s=60)
-        h.load("a")
-        h.reactor.advance(30)
-        lease = self.successResultOf(h.node.acquire(h.model("a")))
-        h.reactor.advance(100)
-        self.assertEqual(h.sup().state, READY, "never unloaded under a request")
-        lease.release()
-        h.reactor.advance(59)
-        self.assertEqual(h.sup().state, READY)
-        h.reactor.advance(1)
-        self.assertEqual(h.sup().state, STOPPING)
+        assert_a_request_restarts_the_countdown(self, h, lambda: self.successResultOf(h.node.acquire(h.model("a"))))
 
     def test_model_level_override(self) -> None:
         models = [dict(MODELS[0], idle_unload_s=10), MODELS[1]]
