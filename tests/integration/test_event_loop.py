@@ -40,6 +40,8 @@ class Client(protocol.Protocol):
         self.transport.write(self.send)
     def dataReceived(self, data):
         self.got += data
+        if self.got == self.send.upper():  # the whole echo: done with this connection
+            self.transport.loseConnection()
     def connectionLost(self, reason):
         self.done(self.got)
 
@@ -51,8 +53,7 @@ def connect(name, send, then):
     def done(got):
         results[name] = got.decode()
         then()
-    protocol.ClientCreator(reactor, Client, send, done).connectTCP("127.0.0.1", port).addCallback(
-        lambda p: name == "echo" and reactor.callLater(0.2, p.transport.loseConnection))
+    protocol.ClientCreator(reactor, Client, send, done).connectTCP("127.0.0.1", port)
 
 def finish():
     out.update(results=results, errors=errors, timer=timer_fired)
@@ -60,9 +61,13 @@ def finish():
     reactor.stop()
 
 timer_fired = []
-reactor.callLater(0.01, timer_fired.append, True)
-connect("boom", b"boom", lambda: connect("echo", b"hello", finish))
-reactor.callLater(20, reactor.stop)
+
+def begin():  # from a timer: the exchange only starts if timers run
+    timer_fired.append(True)
+    connect("boom", b"boom", lambda: connect("echo", b"hello", finish))
+
+reactor.callLater(0.01, begin)
+reactor.callLater(20, reactor.stop)  # a bound, should the loop ever hang
 reactor.run()
 """
 
