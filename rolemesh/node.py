@@ -472,8 +472,6 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         """Stop the children of the lanes this ticket's start evicted (a
         device group taking its members, or a member taking its device back
         from the group); fires once they are all reaped."""
-        if not ticket.evict:  # nearly every ticket: no DeferredList for nothing
-            return defer.succeed([])
         stops = []
         for name in ticket.evict:
             self._cancel_idle_timer(name)
@@ -490,8 +488,11 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             request.loading.cancel()
 
     def _ticket_started(self, ticket: Ticket) -> None:
+        # The lanes this start evicted are no longer booked: their children
+        # stop now, whatever becomes of the ticket (nearly every ticket evicts none).
+        evicting = self._evict(ticket) if ticket.evict else None
         if isinstance(ticket.context, _Unload):
-            self._unload_started(ticket, ticket.context, self._evict(ticket))
+            self._unload_started(ticket, ticket.context, evicting or defer.succeed([]))
             return
         request: _Acquisition = ticket.context  # type: ignore[assignment]
         self._stop_queue_timer(request)
@@ -516,7 +517,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
                 return Failure(defer.CancelledError())
             return supervisor.ensure(request.model)
 
-        request.loading = self._evict(ticket).addBoth(load) if ticket.evict else supervisor.ensure(request.model)
+        request.loading = evicting.addBoth(load) if evicting is not None else supervisor.ensure(request.model)
 
         def ready(endpoint: ChildEndpoint) -> None:
             lease = Lease(ticket, endpoint, supervisor, self._release)
