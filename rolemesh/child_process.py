@@ -155,10 +155,6 @@ class OutputRing:
     def append(self, text: str) -> None:
         self._add(text, text.count("\n") + 1)
 
-    def extend(self, texts: List[str]) -> None:
-        for text in texts:
-            self.append(text)
-
     def add_chunk(self, chunk: bytes) -> None:
         """The complete lines of one read, joined by newlines (UTF-8, or
         anything: decoded with replacement when read)."""

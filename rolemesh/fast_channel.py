@@ -12,10 +12,11 @@ ask between them (``/v1/models``, ``/health``, ``/ready``): a connection an
 OpenAI client pools, or a load balancer probes on, stays on the fast path.
 
 Anything else goes to twisted.web unchanged: the first request on a
-connection that is not a plain HTTP/1.1 request for one of those routes with
-a ``Content-Length`` body within the limit (or, for a ``GET``, no body) (another route or method, HTTP/1.0,
-chunked or ``Expect: 100-continue`` bodies, a request head that did not
-arrive in one read, a malformed one) hands the connection, with the bytes
+connection that is not a plain HTTP/1.1 request for one of those routes
+with a ``Content-Length`` body within the limit, or no body for a ``GET``
+(another route or method, HTTP/1.0, chunked or ``Expect: 100-continue``
+bodies, a request head that did not arrive in one read, a malformed one)
+hands the connection, with the bytes
 read so far, to a regular :class:`~rolemesh.listener._GuardedChannel` for the
 rest of its life.  So every error twisted.web answers today (400, 413, 405,
 404, 408-by-abort) is still answered by the same code, and the fast path only
