@@ -21,6 +21,7 @@ setup(
     install_requires=[
         "twisted[tls]>=24.3",  # pyOpenSSL, service-identity, idna: HTTPS listener and dispatcher
         "cryptography>=42",  # certificate checks (rolemesh.tls); tests generate certificates with it
+        "httptools>=0.6",  # llhttp: the listener's request parser (rolemesh.fast_channel)
         "klein>=23.5",
         "treq>=23.11",
         "pyyaml>=6.0",

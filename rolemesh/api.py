@@ -15,7 +15,8 @@ import json
 import re
 import time
 import uuid
-from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Dict, Generator, Iterator, List, Mapping, Optional, Sequence, Tuple, Union, cast
+from urllib.parse import unquote_to_bytes
 
 from klein import Klein
 from twisted.internet import defer
@@ -52,6 +53,8 @@ RECORD_DELAY_S = 0.05
 #: ``(endpoint, path)`` of the routes relayed to llama-server.
 PROXIED_ROUTES = (("chat/completions", "/v1/chat/completions"), ("completions", "/v1/completions"),
                   ("embeddings", "/v1/embeddings"))
+#: The routes that need no key (liveness and readiness probes).
+OPEN_ROUTES = frozenset({b"/health", b"/ready"})
 #: The request log line (its fields are JSON keys with ``log_format: json``).
 REQUEST_LOG_FORMAT = "POST /v1/{endpoint} {model} -> {status} on {device} in {duration_ms:.1f} ms"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
@@ -76,10 +79,8 @@ def _json(request: RouteRequest, status: int, body: Any) -> bytes:
 
 
 def _error(request: RouteRequest, error: errors.ApiError) -> bytes:
-    if error.retry_after is not None:
-        request.setHeader(b"retry-after", str(error.retry_after).encode())
-    if error.status == 401:
-        request.setHeader(b"www-authenticate", b'Bearer realm="rolemesh-node"')
+    for name, value in errors.answer_headers(error):
+        request.setHeader(name, value)
     return _json(request, error.status, error.body())
 
 
@@ -265,6 +266,9 @@ class NodeAPI:
         self._readiness = readiness
         self._reload = reload
         self.use_config(config)
+        #: What refuse_head looks routes up in: the fast routes' keys, and Klein's map.
+        self._fast_route_keys = frozenset(self.fast_routes())
+        self._routes = self.app.url_map.bind("localhost")
         #: Told ("request", **fields) of each finished proxied request.
         self.events = Events(*observers)
         #: Finished requests not yet logged, with when they ended (see _record_later).
@@ -282,20 +286,52 @@ class NodeAPI:
 
     # -- cross-cutting ----------------------------------------------------------
 
-    def _authorize(self, request: RouteRequest) -> None:
+    def _key_error(self, header: Optional[bytes]) -> Optional[errors.ApiError]:
+        """401 unless ``header`` (the raw Authorization value) carries a configured key."""
         if not self._keys:
-            return
-        header = request.getHeader(b"authorization") or b""  # bytes: the raw header value
-        scheme, _, token = header.partition(b" ")
+            return None
+        scheme, _, token = (header or b"").partition(b" ")
         presented = token.strip()
         ok = False
         for key in self._keys:  # compare with every key: time does not leak which
             ok |= hmac.compare_digest(presented, key)
         if scheme.lower() != b"bearer" or not ok:
-            raise errors.ApiError(
+            return errors.ApiError(
                 401, "missing or invalid API key (send Authorization: Bearer <key>)",
                 "invalid_request_error", "invalid_api_key",
             )
+        return None
+
+    def _authorize(self, request: RouteRequest) -> None:
+        error = self._key_error(request.getHeader(b"authorization"))
+        if error is not None:
+            raise error
+
+    def refuse_head(self, method: bytes, path: bytes, headers: Mapping[bytes, bytes]) -> Optional[errors.ApiError]:
+        """The listener asks this of every request head, before its body is
+        read (a :class:`~rolemesh.interfaces.HeadPolicy`): 401 without a
+        valid key (every route but ``/health`` and ``/ready``), then 404
+        for no route -- the answers the routes would give, so no body of
+        such a request is ever held.  None: the route answers."""
+        if path not in OPEN_ROUTES:
+            error = self._key_error(headers.get(b"authorization"))
+            if error is not None:
+                return error
+        if (method, path) in self._fast_route_keys or self._route_exists(method, path):
+            return None
+        shown = path.decode("utf-8", "replace")[:200]
+        return errors.ApiError(404, f"no route {shown}", "invalid_request_error", "not_found")
+
+    def _route_exists(self, method: bytes, path: bytes) -> bool:
+        """Whether Klein has a route for ``path`` (a wrong method or a path
+        it redirects count: Klein answers those itself)."""
+        try:
+            self._routes.match(unquote_to_bytes(path).decode("utf-8"), method.decode("ascii"))
+        except NotFound:
+            return False
+        except (HTTPException, UnicodeDecodeError):  # 405, a redirect, not UTF-8: the routes' answer
+            return True
+        return True
 
     @app.handle_errors(errors.ApiError)
     def _api_error(self, request: IRequest, failure: Failure) -> bytes:
@@ -319,7 +355,7 @@ class NodeAPI:
 
     @app.handle_errors(MethodNotAllowed)
     def _not_allowed(self, request: IRequest, failure: Failure) -> bytes:
-        if request.path not in (b"/health", b"/ready"):
+        if request.path not in OPEN_ROUTES:
             denied = self._unauthorized(request)
             if denied is not None:
                 return denied

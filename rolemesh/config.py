@@ -471,7 +471,7 @@ class NodeConfig:
     #: :func:`_environment_api_keys` adds the variable's and the file's).
     api_keys: Tuple[str, ...] = derived(
         (),
-        KeyDoc("api_key", "string", "unset", "Bearer key every route but `/health` requires."),
+        KeyDoc("api_key", "string", "unset", "Bearer key every route but `/health` and `/ready` requires."),
         KeyDoc("api_keys", "list of strings", "`[]`", "Several accepted keys, for rotation."),
         KeyDoc("api_key_env", "environment variable name", "unset",
                "Read one more accepted key from this environment variable."),
@@ -493,6 +493,11 @@ class NodeConfig:
                                       "Larger request bodies are answered 413.", default_doc="`8388608` (8 MiB)")
     max_connections: int = key(1024, _positive_int, "positive integer",
                                "Open client connections accepted at once; more are closed at once.")
+    fast_path: bool = key(
+        True, _boolean, "boolean",
+        "Serve the inference routes and the common GETs on the listener's own lean path; `false` sends every "
+        "request through twisted.web and Klein (after the same parsing and checks): slower, for comparison "
+        "or if the fast path misbehaves.")
     request_read_timeout_s: float = _seconds(
         30.0, "Deadline for receiving a whole request (headers and body); slower clients are cut off.")
     idle_timeout_s: float = _seconds(60.0, "Keep-alive connections idle this long are closed.")

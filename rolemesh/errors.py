@@ -7,7 +7,8 @@ layer renders it in OpenAI's error shape with its status.
 
 from __future__ import annotations
 
-from typing import Optional
+import json
+from typing import List, Optional, Tuple
 
 import attr
 
@@ -37,6 +38,20 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
+
+    def json(self) -> bytes:
+        """The body as sent."""
+        return json.dumps(self.body()).encode("utf-8")
+
+
+def answer_headers(error: ApiError) -> List[Tuple[bytes, bytes]]:
+    """The headers an answer with ``error`` carries beside its JSON body."""
+    headers = []
+    if error.retry_after is not None:
+        headers.append((b"retry-after", str(error.retry_after).encode()))
+    if error.status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="rolemesh-node"'))
+    return headers
 
 
 def model_not_found(name: str) -> ApiError:

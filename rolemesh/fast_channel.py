@@ -1,49 +1,75 @@
-"""The client connection: the proxied routes without twisted.web's per-request cost.
+"""The client connection: one strict parser for every request, and the
+proxied routes without twisted.web's per-request cost.
 
-twisted.web spends more CPU on each request than the agent's own work on it:
-a line-by-line header parser, a ``Request`` with dozens of attributes, a
-``Content-Type`` parse through ``email.headerregistry``, ``Headers``
-normalisation, Klein's werkzeug routing.  For the three routes every
-inference request takes (``POST /v1/chat/completions``, ``/v1/completions``,
-``/v1/embeddings``), :class:`FastChannel` parses the request in one pass and
-hands a :class:`FastRequest` -- the slice of ``IRequest`` the proxy route
-uses -- to the route directly.  So it does for the ``GET`` routes clients
-ask between them (``/v1/models``, ``/health``, ``/ready``): a connection an
-OpenAI client pools, or a load balancer probes on, stays on the fast path.
+Every byte a client sends is parsed by llhttp (``httptools``, what uvicorn
+uses: Node.js's parser, maintained and fuzzed by others), and every head is
+checked against :mod:`rolemesh.request_head` and the API's
+:class:`~rolemesh.interfaces.HeadPolicy` before a byte of its body is kept:
+malformed or ambiguous framing is a 400 (or 431, 417, 505) and a
+close; a request without a valid key, for no route, or with a body over the
+limit is answered (401, 404, 413) from its head, and when a body would
+follow, the connection closes without reading it.  So no unauthenticated
+body is held, and no two parsers can disagree on where a request ends.
 
-Anything else goes to twisted.web unchanged: the first request on a
-connection that is not a plain HTTP/1.1 request for one of those routes
-with a ``Content-Length`` body within the limit, or no body for a ``GET``
-(another route or method, HTTP/1.0, chunked or ``Expect: 100-continue``
-bodies, a request head that did not arrive in one read, a malformed one)
-hands the connection, with the bytes
-read so far, to a regular :class:`~rolemesh.listener._GuardedChannel` for the
-rest of its life.  So every error twisted.web answers today (400, 413, 405,
-404, 408-by-abort) is still answered by the same code, and the fast path only
-ever sees requests it can serve exactly as the slow path would.
+What passes is served in order, one answer at a time, in a loop (never by
+recursion):
 
-What the slow path guarantees holds here too: an absolute deadline for
-receiving each request (``request_read_timeout_s``; also closing connections
-idle for ``idle_timeout_s``), the body size limit, the connection cap (in the
-site), backpressure (the upstream transport is the client transport's
-producer), and a client that disconnects cancels its request.
+- the routes every inference request takes (``POST /v1/chat/completions``,
+  ``/v1/completions``, ``/v1/embeddings``) and the ``GET`` routes clients
+  ask between them (``/v1/models``, ``/health``, ``/ready``) are handed a
+  :class:`FastRequest`, the slice of ``IRequest`` the proxy uses, at once;
+- anything else (other routes, a query string, HTTP/1.0, or every request
+  with ``fast_path: false``) is written again, canonically (one
+  ``Content-Length``, no transfer coding, no expectation), to a twisted.web
+  ``HTTPChannel`` behind this one, so Klein answers it; that channel never
+  sees the client's own bytes.
+
+Bounded by construction: the channel is its transport's producer (a client
+that does not read its answers stops being read, and so does the upstream
+relay feeding it); parsed requests waiting for their turn are capped in
+number and bytes (reading pauses above that); each request must arrive
+whole within ``request_read_timeout_s`` of the connection's wait for it
+beginning (``idle_timeout_s`` for an idle keep-alive connection), whichever
+path serves it.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Callable, Dict, ItemsView, List, Optional, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Deque,
+    Dict,
+    ItemsView,
+    List,
+    Optional,
+    Tuple,
+)
 
+import httptools
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionDone, ConnectionLost
-from twisted.internet.interfaces import IAddress, IDelayedCall, IProducer, IReactorTime
+from twisted.internet.interfaces import (
+    IAddress,
+    IDelayedCall,
+    IProducer,
+    IPushProducer,
+    IReactorTime,
+    ISSLTransport,
+)
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.http import RESPONSES, datetimeToString
+from twisted.web.http import RESPONSES, HTTPChannel, datetimeToString
+from zope.interface import alsoProvides, implementer
 
+from rolemesh import request_head
+from rolemesh.errors import ApiError, answer_headers
 from rolemesh.twisted_compat import write_now
 
 if TYPE_CHECKING:  # the listener builds the channels: it imports this module
@@ -56,10 +82,19 @@ log = Logger()
 #: reason the client caused (the route turns those into answers itself).
 FastRoute = Callable[["FastRequest"], "Deferred[Optional[bytes]]"]
 
-#: Longest request head the fast path parses (twisted.web's own limit is
-#: 16 KiB; a longer head goes to it and gets its answer).
-MAX_HEAD = 16384
-_HEAD_END = b"\r\n\r\n"
+#: Parsed requests that may wait behind the one being answered before
+#: reading pauses, and their bytes.
+MAX_QUEUED = 16
+MAX_QUEUED_BYTES = 1 << 20
+
+#: Why reading is paused (bits of ``FastChannel._read_paused``).
+_QUEUE_FULL = 1
+_WRITES_BLOCKED = 2
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+#: Headers the canonical copy for twisted.web leaves out (it gets one
+#: Content-Length instead, and no expectation: those were dealt with here).
+_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
 
 
 def _phrase(code: int, _cache: Dict[int, bytes] = {}) -> bytes:  # noqa: B006 - a deliberate cache
@@ -140,6 +175,30 @@ class _Body:
         return 0
 
 
+class _Incoming:
+    """A request as parsed: its head, then its body; or the refusal that
+    answers it."""
+
+    __slots__ = ("method", "target", "version", "headers", "raw", "body", "keep_alive", "refusal", "framed",
+                 "size")
+
+    def __init__(self) -> None:
+        self.method = b""
+        self.target = b""
+        self.version = "1.1"
+        #: ``{lower-case name: value}`` (the last one, as twisted.web's getHeader).
+        self.headers: Dict[bytes, bytes] = {}
+        #: The header lines as sent, for the canonical copy to twisted.web.
+        self.raw: List[Tuple[bytes, bytes]] = []
+        self.body = b""
+        self.keep_alive = True
+        #: The answer it gets instead of being served (then it is the last).
+        self.refusal: Optional[ApiError] = None
+        #: It had a Content-Length or a transfer coding.
+        self.framed = False
+        self.size = 0
+
+
 class FastRequest:
     """One request on a :class:`FastChannel`: the part of twisted.web's
     ``IRequest`` that the proxy route and the relay use."""
@@ -165,7 +224,6 @@ class FastRequest:
         self.code_message = b"OK"
         self.responseHeaders = ResponseHeaders()
         self._finish_waiters: List[Deferred] = []
-        self._producer: Optional[IProducer] = None
 
     # -- the request ---------------------------------------------------------
 
@@ -247,98 +305,126 @@ class FastRequest:
         return d
 
     def registerProducer(self, producer: IProducer, streaming: bool) -> None:  # noqa: N802 - IRequest's name
-        self._producer = producer
-        self.transport.registerProducer(producer, streaming)
+        self.channel.register_answer_producer(producer)
 
     def unregisterProducer(self) -> None:  # noqa: N802 - IRequest's name
-        if self._producer is not None:
-            self._producer = None
-            self.transport.unregisterProducer()
+        self.channel.register_answer_producer(None)
 
     def loseConnection(self) -> None:  # noqa: N802 - IRequest's name
-        self.transport.loseConnection()
+        self.channel.close()
 
     def connection_lost(self, reason: Failure) -> None:
         """The client went away before the answer was finished."""
         self.disconnected = True
-        if self._producer is not None:
-            self._producer = None
         waiters, self._finish_waiters = self._finish_waiters, []
         for d in waiters:
             d.errback(reason)
 
 
-def parse_request_head(head: bytes) -> Optional[Tuple[bytes, bytes, Dict[bytes, bytes]]]:
-    """``(method, path, headers)`` of an HTTP/1.1 request head the fast path
-    can serve, else None (pure: the caller hands such a request to
-    twisted.web, which answers whatever is wrong with it).
+class _Refused(Exception):
+    """Raised in a parser callback: stop reading; ``error`` answers the request."""
 
-    Headers are ``{lower-case name: value}``; a repeated header, a folded
-    line, a malformed line or a non-ASCII name makes it None.
-    """
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or parts[2] != b"HTTP/1.1":
-        return None
-    headers: Dict[bytes, bytes] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip() or not name.isascii():
-            return None
-        key = name.lower()
-        if key in headers:
-            return None
-        headers[key] = value.strip()
-    return parts[0], parts[1], headers
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
-def fast_body_length(headers: Dict[bytes, bytes], limit: Optional[int], method: bytes = b"POST") -> Optional[int]:
-    """The body length of a request the fast path can read, else None: a
-    plain ``Content-Length`` within ``limit`` (a ``GET`` may send none: no
-    body), no transfer coding, no ``Expect``, a UTF-8 ``Host``."""
-    if b"transfer-encoding" in headers or b"expect" in headers or b"upgrade" in headers:
-        return None
-    raw = headers.get(b"content-length")
-    if raw is None and method == b"GET":
-        raw = b"0"
-    if raw is None or not raw.isdigit() or len(raw) > 18:
-        return None
-    length = int(raw)
-    if limit is not None and length > limit:
-        return None
-    host = headers.get(b"host")
-    if host is not None:
-        try:
-            host.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-    return length
+class _BridgeTransport:
+    """What the twisted.web channel behind a :class:`FastChannel` writes to:
+    the client's transport, except that producers go to the fast channel
+    (the transport's one producer) and reading is not its to pause (it
+    provides no ``IPushProducer``, so ``HTTPChannel`` leaves it alone)."""
+
+    def __init__(self, channel: "FastChannel", transport: Any) -> None:
+        self._channel = channel
+        self._transport = transport
+        if ISSLTransport.providedBy(transport):
+            alsoProvides(self, ISSLTransport)
+
+    def write(self, data: bytes) -> None:
+        self._transport.write(data)
+
+    def writeSequence(self, data: List[bytes]) -> None:  # noqa: N802 - ITransport's name
+        self._transport.writeSequence(data)
+
+    def loseConnection(self) -> None:  # noqa: N802 - ITransport's name
+        self._channel.close()
+
+    def abortConnection(self) -> None:  # noqa: N802 - ITCPTransport's name
+        self._transport.abortConnection()
+
+    def getPeer(self) -> IAddress:  # noqa: N802 - ITransport's name
+        return self._transport.getPeer()  # type: ignore[no-any-return]
+
+    def getHost(self) -> IAddress:  # noqa: N802 - ITransport's name
+        return self._transport.getHost()  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        # The rest (a TLS peer certificate, connected, ...); never what
+        # zope.interface asks (__providedBy__, __conform__): this is no
+        # producer whatever the transport is.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._transport, name)
 
 
+class BridgeChannel(HTTPChannel):
+    """twisted.web's channel for the requests a :class:`FastChannel` does not
+    serve itself: it is fed one canonical request at a time and tells the
+    fast channel when that request is answered."""
+
+    owner: Optional["FastChannel"] = None
+
+    def requestDone(self, request: Any) -> None:  # noqa: N802 - HTTPChannel's name
+        super().requestDone(request)
+        if self.owner is not None:
+            self.owner.bridged_done()
+
+
+@implementer(IPushProducer)
 class FastChannel(Protocol):
-    """A client connection that serves ``routes`` (``(method, path)`` ->
-    route) itself and hands anything else, for good, to the twisted.web
-    channel ``make_fallback()`` builds."""
+    """A client connection: parses every request strictly, serves ``routes``
+    (``(method, path)`` -> route) itself and the rest through the
+    twisted.web channel ``make_bridge()`` builds."""
 
     def __init__(self, site: "GuardedSite", routes: Dict[Tuple[bytes, bytes], FastRoute],
-                 make_fallback: Callable[[], Protocol]) -> None:
+                 make_bridge: Callable[[], BridgeChannel]) -> None:
         self.site = site
         self._routes = routes
-        self._make_fallback = make_fallback
+        self._make_bridge = make_bridge
+        self._bridge: Optional[BridgeChannel] = None
         self._reactor = site.reactor
-        self._buffer = b""
-        #: While a body arrives in several reads: the bytes the request needs
-        #: in all (0: not waiting), and its reads so far.
-        self._need = 0
+        self._policy = site.head_policy
+        self._limit_bytes = site.max_body_bytes
+        self._parser = httptools.HttpRequestParser(self)
+        #: The request being parsed (its head is complete once ``_head_done``).
+        self._incoming = _Incoming()
+        self._head_done = False
+        self._head_size = 0
+        self._hosts = 0
+        self._expect: Optional[bytes] = None
         self._parts: List[bytes] = []
         self._size = 0
-        #: The request being answered (at most one: pipelined requests wait in _buffer).
-        self._current: Optional[FastRequest] = None
+        #: Parsed requests waiting for their turn, and their bytes.
+        self._queue: Deque[_Incoming] = deque()
+        self._queued_bytes = 0
+        #: The request being answered (a FastRequest, or the _Incoming given to twisted.web).
+        self._current: Optional[object] = None
         self._current_result: Optional[Deferred] = None
-        #: The twisted.web channel the connection was handed to, if it was.
-        self._fallback: Optional[Protocol] = None
-        self._paused = False
+        #: Close once the current answer is done (the last request was refused or said close).
+        self._last = False
+        #: No more input is read (a refusal, a parse error, an upgrade).
+        self._stopped = False
+        self._pumping = False
+        self._read_paused = 0
+        self._writes_blocked = False
+        #: What feeds the current answer (the relay's upstream): paused while the client does not read.
+        self._answer_producer: Optional[IProducer] = None
+        #: A ``100 Continue`` owed to the request being parsed, once nothing is answered ahead of it.
+        self._continue_owed = False
         self._closed = False
+        #: The connection is gone (connectionLost was called).
+        self.lost = False
         #: Since when the connection waits for (the rest of) a request; None while answering.
         self._waiting_since: Optional[float] = None
         self._deadline: Optional[IDelayedCall] = None
@@ -352,6 +438,8 @@ class FastChannel(Protocol):
         return min(limits) if limits else None
 
     def _wait_for_request(self) -> None:
+        if self._waiting_since is not None:
+            return
         self._waiting_since = self._reactor.seconds()
         limit = self._limit_s
         if limit is not None and self._deadline is None:
@@ -359,14 +447,17 @@ class FastChannel(Protocol):
 
     def _check_deadline(self) -> None:
         self._deadline = None
-        if self._waiting_since is None or self._closed or self._fallback is not None:
+        if self._waiting_since is None or self._closed:
             return
         limit = self._limit_s or 0.0
         left = self._waiting_since + limit - self._reactor.seconds()
         if left > 0:
             self._deadline = self._reactor.callLater(left, self._check_deadline)
             return
-        if self._buffer or self._need:
+        if self._queue:
+            log.info("closing a client connection that did not read its answers within {seconds:g}s",
+                     seconds=limit)
+        elif self._head_size or self._size:
             log.info("closing a client connection that did not send its request within {seconds:g}s",
                      seconds=limit)
         self.transport.abortConnection()  # type: ignore[union-attr]
@@ -380,6 +471,7 @@ class FastChannel(Protocol):
     # -- the connection -------------------------------------------------------
 
     def connectionMade(self) -> None:  # noqa: N802 - Twisted's name
+        self.transport.registerProducer(self, True)  # type: ignore[union-attr]
         self._wait_for_request()
 
     def date(self) -> bytes:
@@ -387,56 +479,165 @@ class FastChannel(Protocol):
         return self.site.http_date()
 
     def dataReceived(self, data: bytes) -> None:  # noqa: N802 - Twisted's name
-        if self._fallback is not None:
-            self._fallback.dataReceived(data)
+        if self._stopped:
             return
-        if self._need:  # a body on its way in several reads: joined once, when whole
-            self._parts.append(data)
-            self._size += len(data)
-            if self._size < self._need:
-                return
-            self._buffer, self._parts, self._need = b"".join(self._parts), [], 0
-        else:
-            self._buffer = self._buffer + data if self._buffer else data
-        if self._current is None:
-            self._next_request()
-        elif not self._paused:
-            # A pipelined request: wait until the current answer is done,
-            # as twisted.web does.
-            self._paused = True
-            self.transport.pauseProducing()  # type: ignore[union-attr]
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as e:
+            cause = e.__context__
+            self._stop(cause.error if isinstance(cause, _Refused) else request_head.malformed(str(cause)))
+        except httptools.HttpParserUpgrade:
+            # CONNECT, or an Upgrade the agent does not take: the request is
+            # answered (CONNECT with a 405) and nothing after it is read.
+            self._stopped = True
+            if self._queue:
+                last = self._queue[-1]
+                last.keep_alive = False
+                if last.method == b"CONNECT" and last.refusal is None:
+                    last.refusal = ApiError(405, "CONNECT is not served here", "invalid_request_error",
+                                            "method_not_allowed")
+        except httptools.HttpParserInvalidMethodError:
+            self._stop(request_head.unknown_method())
+        except httptools.HttpParserError as e:
+            self._stop(request_head.malformed(str(e)))
+        if len(self._queue) > MAX_QUEUED or self._queued_bytes > MAX_QUEUED_BYTES:
+            self._pause_reading(_QUEUE_FULL)
+        self._pump()
 
-    def _next_request(self) -> None:
-        buffer = self._buffer
-        end = buffer.find(_HEAD_END)
-        if end < 0:
-            if buffer:
-                self._hand_off()
+    def _stop(self, error: ApiError) -> None:
+        """Answer ``error`` after what is queued, read nothing more, then close."""
+        refused = self._incoming if self._head_done else _Incoming()
+        refused.refusal = error
+        refused.keep_alive = False
+        self._queue.append(refused)
+        self._stopped = True
+        self._continue_owed = False
+
+    # -- llhttp's callbacks: one request at a time ----------------------------
+
+    def on_message_begin(self) -> None:
+        self._incoming = _Incoming()
+        self._head_done = False
+        self._head_size = 0
+        self._hosts = 0
+        self._expect = None
+        self._parts = []
+        self._size = 0
+
+    def on_url(self, url: bytes) -> None:
+        incoming = self._incoming
+        incoming.target += url
+        self._head_size += len(url)
+        if self._head_size > request_head.MAX_HEAD_BYTES:
+            raise _Refused(request_head.head_too_large())
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        incoming = self._incoming
+        incoming.raw.append((name, value))
+        self._head_size += len(name) + len(value) + 4
+        if len(incoming.raw) > request_head.MAX_HEADERS or self._head_size > request_head.MAX_HEAD_BYTES:
+            raise _Refused(request_head.head_too_large())
+        key = name.lower()
+        if key == b"host":
+            self._hosts += 1
+        elif key == b"expect":
+            self._expect = value
+        elif key == b"content-length" or key == b"transfer-encoding":
+            incoming.framed = True
+        incoming.headers[key] = value
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        incoming = self._incoming
+        self._head_done = True
+        incoming.method = parser.get_method()
+        incoming.version = parser.get_http_version()
+        incoming.keep_alive = parser.should_keep_alive()
+        headers = incoming.headers
+        error = request_head.head_error(incoming.version, self._hosts, self._expect)
+        if error is not None:
+            raise _Refused(error)
+        chunked = b"transfer-encoding" in headers
+        length = None if chunked else int(headers.get(b"content-length", b"0"))
+        body_follows = chunked or bool(length)
+        limit = self._limit_bytes
+        if limit is not None and length is not None and length > limit:
+            error = request_head.body_too_large(limit)
+        elif self._policy is not None:
+            error = self._policy.refuse_head(incoming.method, incoming.target.partition(b"?")[0], headers)
+        if error is not None:
+            if body_follows:  # not read: answered from the head, and the connection closes
+                raise _Refused(error)
+            incoming.refusal = error  # nothing follows: answered in turn, the connection stays
+        elif body_follows and self._expect is not None:
+            self._continue_owed = True
+
+    def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        limit = self._limit_bytes
+        if limit is not None and self._size > limit:
+            raise _Refused(request_head.body_too_large(limit))
+        self._parts.append(body)
+
+    def on_message_complete(self) -> None:
+        incoming = self._incoming
+        parts = self._parts
+        if parts:
+            incoming.body = parts[0] if len(parts) == 1 else b"".join(parts)
+            self._parts = []
+        incoming.size = self._head_size + self._size
+        self._head_size = self._size = 0
+        self._head_done = False
+        self._continue_owed = False
+        self._queue.append(incoming)
+        self._queued_bytes += incoming.size
+
+    # -- answering, in order ----------------------------------------------------
+
+    def _pump(self) -> None:
+        """Answer queued requests in order while nothing is being answered
+        and the client reads: a loop, however many are pipelined, whether
+        they are answered at once or later."""
+        if self._pumping:
             return
-        parsed = parse_request_head(buffer[:end]) if end <= MAX_HEAD else None
-        if parsed is None:
-            self._hand_off()
+        self._pumping = True
+        try:
+            queue = self._queue
+            while self._current is None and queue and not self._writes_blocked and not self._closed:
+                incoming = queue.popleft()
+                self._queued_bytes -= incoming.size
+                self._waiting_since = None
+                self._serve(incoming)
+        finally:
+            self._pumping = False
+        if self._read_paused & _QUEUE_FULL and len(self._queue) <= MAX_QUEUED // 2:
+            self._resume_reading(_QUEUE_FULL)
+        if self._current is None and not self._closed:
+            self._wait_for_request()  # for the next request, or for the client to read its answers
+            if self._continue_owed and not self._queue:
+                self._continue_owed = False
+                self.transport.write(_CONTINUE)  # type: ignore[union-attr]
+
+    def _serve(self, incoming: _Incoming) -> None:
+        self._last = not incoming.keep_alive
+        refusal = incoming.refusal
+        if refusal is not None:
+            request = FastRequest(self, incoming.method, incoming.target, incoming.headers, b"")
+            request._close_after = self._last
+            self._current = request
+            request.setResponseCode(refusal.status)
+            request.setHeader(b"content-type", b"application/json")
+            for name, value in answer_headers(refusal):
+                request.setHeader(name, value)
+            request.finish(refusal.json())
             return
-        method, path, headers = parsed
-        route = self._routes.get((method, path))
-        length = fast_body_length(headers, self.site.max_body_bytes, method) if route is not None else None
-        if route is None or length is None:
-            self._hand_off()
+        route = self._routes.get((incoming.method, incoming.target)) if incoming.version == "1.1" else None
+        if route is None:
+            self._bridge_request(incoming)
             return
-        start = end + 4
-        if len(buffer) - start < length:  # the rest of the body is on its way; the deadline runs
-            self._need, self._parts, self._size, self._buffer = start + length, [buffer], len(buffer), b""
-            return
-        self._buffer = buffer[start + length:]
-        self._waiting_since = None
-        request = FastRequest(self, method, path, headers, buffer[start:start + length])
-        connection = headers.get(b"connection")
-        if connection is not None and connection.lower() == b"close":
-            request._close_after = True
+        request = FastRequest(self, incoming.method, incoming.target, incoming.headers, incoming.body)
+        request._close_after = self._last
         self._current = request
-        self._answer(request, route)
-
-    def _answer(self, request: FastRequest, route: FastRoute) -> None:
         try:
             result = route(request)
         except Exception:
@@ -463,40 +664,104 @@ class FastChannel(Protocol):
 
     def request_done(self, request: FastRequest) -> None:
         """``request`` finished its answer: the next request may begin."""
-        if request is not self._current:
-            return
-        self._current = None
-        if request._close_after:
-            self.transport.loseConnection()  # type: ignore[union-attr]
-            return
-        self._wait_for_request()
-        if self._paused:
-            self._paused = False
-            self.transport.resumeProducing()  # type: ignore[union-attr]
-        if self._buffer:
-            self._next_request()
+        if request is self._current:
+            self._answer_done()
 
-    def _hand_off(self) -> None:
-        """Give the connection, and what it has sent so far, to twisted.web."""
-        self._cancel_deadline()
-        self._waiting_since = None
-        fallback = self._fallback = self._make_fallback()
-        fallback.makeConnection(self.transport)
-        data, self._buffer = self._buffer, b""
-        if self._paused:
-            self._paused = False
+    def _answer_done(self) -> None:
+        self._current = None
+        self._answer_producer = None
+        if self._last:
+            self.close()
+            return
+        self._pump()
+
+    def close(self) -> None:
+        """Close once what is written is sent (the transport lets go of
+        this producer first: a TLS transport would wait for it)."""
+        if not self._closed:
+            self._closed = True
+            self._cancel_deadline()
+            self.transport.unregisterProducer()  # type: ignore[union-attr]
+            self.transport.loseConnection()  # type: ignore[union-attr]
+
+    # -- twisted.web, for the rest --------------------------------------------
+
+    def _bridge_request(self, incoming: _Incoming) -> None:
+        """Hand ``incoming`` to twisted.web, written again canonically."""
+        bridge = self._bridge
+        if bridge is None:
+            bridge = self._bridge = self._make_bridge()
+            bridge.owner = self
+            bridge.makeConnection(_BridgeTransport(self, self.transport))  # type: ignore[arg-type]
+        self._current = incoming
+        lines = [b"%s %s HTTP/%s\r\n" % (incoming.method, incoming.target, incoming.version.encode("ascii"))]
+        for name, value in incoming.raw:
+            if name.lower() not in _FRAMING:
+                lines += (name, b": ", value, b"\r\n")
+        if incoming.framed or incoming.body:
+            lines.append(b"Content-Length: %d\r\n" % len(incoming.body))
+        lines += (b"\r\n", incoming.body)
+        bridge.dataReceived(b"".join(lines))
+
+    def bridged_done(self) -> None:
+        """twisted.web finished answering the request it was given."""
+        if isinstance(self._current, _Incoming):
+            self._answer_done()
+
+    # -- flow control: the transport's producer ---------------------------------
+
+    def register_answer_producer(self, producer: Optional[IProducer]) -> None:
+        """What writes the current answer: paused while the client does not read."""
+        self._answer_producer = producer
+        if producer is not None and self._writes_blocked:
+            producer.pauseProducing()  # type: ignore[attr-defined]
+
+    def _pause_reading(self, why: int) -> None:
+        if not self._read_paused and not self._closed:
+            self.transport.pauseProducing()  # type: ignore[union-attr]
+        self._read_paused |= why
+
+    def _resume_reading(self, why: int) -> None:
+        was = self._read_paused
+        self._read_paused &= ~why
+        if was and not self._read_paused and not self._closed:
             self.transport.resumeProducing()  # type: ignore[union-attr]
-        fallback.dataReceived(data)
+
+    def pauseProducing(self) -> None:  # noqa: N802 - IPushProducer's name
+        """The client's send buffer is full: stop reading it and stop what feeds the answer."""
+        self._writes_blocked = True
+        self._pause_reading(_WRITES_BLOCKED)
+        if self._answer_producer is not None:
+            self._answer_producer.pauseProducing()  # type: ignore[attr-defined]
+        if self._bridge is not None and isinstance(self._current, _Incoming):
+            self._bridge.pauseProducing()
+
+    def resumeProducing(self) -> None:  # noqa: N802 - IPushProducer's name
+        self._writes_blocked = False
+        self._resume_reading(_WRITES_BLOCKED)
+        if self._answer_producer is not None:
+            self._answer_producer.resumeProducing()  # type: ignore[attr-defined]
+        if self._bridge is not None and isinstance(self._current, _Incoming):
+            self._bridge.resumeProducing()
+        self._pump()
+
+    def stopProducing(self) -> None:  # noqa: N802 - IPushProducer's name
+        if self._answer_producer is not None:
+            self._answer_producer.stopProducing()
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:  # noqa: N802 - Twisted's name
-        self._closed = True
-        self._cancel_deadline()
-        if self._fallback is not None:
-            self._fallback.connectionLost(reason)
+        if self.lost:
             return
+        self.lost = True
+        self._closed = True
+        self._stopped = True
+        self._cancel_deadline()
         self.site.open_connections -= 1
+        self._queue.clear()
+        if self._bridge is not None:
+            self._bridge.connectionLost(reason)
         request, self._current = self._current, None
-        if request is not None and not request.finished:
+        if isinstance(request, FastRequest) and not request.finished:
             request.connection_lost(reason if reason.check(ConnectionLost) else
                                     Failure(ConnectionLost(str(reason.value) if not reason.check(ConnectionDone)
                                                            else "the client closed the connection")))
@@ -521,5 +786,4 @@ class HttpDate:
         return self._value
 
 
-__all__ = ["FastChannel", "FastRequest", "FastRoute", "HttpDate", "ResponseHeaders", "fast_body_length",
-           "parse_request_head"]
+__all__ = ["BridgeChannel", "FastChannel", "FastRequest", "FastRoute", "HttpDate", "ResponseHeaders"]

@@ -15,7 +15,7 @@ its requests with.
 
 from __future__ import annotations
 
-from typing import List, Optional, Protocol
+from typing import List, Mapping, Optional, Protocol
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import (
@@ -30,6 +30,8 @@ from twisted.internet.interfaces import (
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import Attribute, Interface
+
+from rolemesh.errors import ApiError
 
 
 class IDeviceBackend(Interface):
@@ -96,6 +98,16 @@ class EditableHeaders(Protocol):
     def setRawHeaders(self, name: bytes, values: List[bytes], /) -> None: ...
 
     def removeHeader(self, name: bytes, /) -> None: ...
+
+
+class HeadPolicy(Protocol):
+    """What the listener asks of a request head before it reads the body
+    (:class:`~rolemesh.api.NodeAPI` answers): the key, and whether the route
+    exists."""
+
+    def refuse_head(self, method: bytes, path: bytes, headers: Mapping[bytes, bytes], /) -> Optional[ApiError]:
+        """The answer to give instead of serving the request, or None.
+        ``path`` has no query; ``headers`` are ``{lower-case name: value}``."""
 
 
 class RouteRequest(Protocol):

@@ -1,13 +1,15 @@
 """The listening side of the API: a twisted.web Site with limits.
 
-twisted.web's idle timeout restarts on every byte, so a client that drips
-its request a byte at a time (slow loris) would hold a connection -- and,
-once its request is queued, a device slot -- for ever.  :class:`GuardedSite`
-adds an absolute deadline for receiving each whole request (headers and
-body), and a cap on open client connections.  Time spent answering (a long
-stream) is not limited here.  :func:`listening_service` puts the site on
-TCP ``listen_host:listen_port`` or on any Twisted endpoint (``listen``),
-behind TLS when the config has a certificate, with only public Twisted API
+Every connection is a :class:`~rolemesh.fast_channel.FastChannel`: one
+strict parser (llhttp) for every request, an absolute deadline for
+receiving each whole request (twisted.web's idle timeout restarts on every
+byte, so a client that drips its request -- slow loris -- would hold a
+connection, and once queued a device slot, for ever), the head decided
+before the body is read, and a cap on open client connections
+(:class:`GuardedSite`).  Time spent answering (a long stream) is not
+limited here.  :func:`listening_service` puts the site on TCP
+``listen_host:listen_port`` or on any Twisted endpoint (``listen``), behind
+TLS when the config has a certificate, with only public Twisted API
 (:class:`EndpointListener`).
 """
 
@@ -15,14 +17,13 @@ from __future__ import annotations
 
 import io
 import json
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union, cast
 
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.endpoints import TCP4ServerEndpoint, serverFromString
 from twisted.internet.interfaces import (
     IAddress,
-    IDelayedCall,
     IListeningPort,
     IOpenSSLServerConnectionCreator,
     IProtocolFactory,
@@ -34,13 +35,12 @@ from twisted.logger import Logger
 from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
 from twisted.python.failure import Failure
 from twisted.web import http
-from twisted.web.http import HTTPChannel
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from rolemesh.errors import ApiError
-from rolemesh.fast_channel import FastChannel, FastRoute, HttpDate
-from rolemesh.interfaces import IAgentReactor, ProxiedRequest
+from rolemesh.fast_channel import BridgeChannel, FastChannel, FastRoute, HttpDate
+from rolemesh.interfaces import HeadPolicy, IAgentReactor, ProxiedRequest
 from rolemesh.reactor import resolve_reactor
 
 log = Logger()
@@ -93,57 +93,13 @@ if TYPE_CHECKING:
         return [klein, fast]
 
 
-class _GuardedChannel(HTTPChannel):
-    site: "GuardedSite"
-    _read_deadline: Optional[IDelayedCall] = None
-    #: A whole request arrived and is not answered yet (HTTPChannel keeps
-    #: the same fact in a private attribute).
-    _answering = False
-
-    def connectionMade(self) -> None:
-        super().connectionMade()
-        self._arm()
-
-    def _arm(self) -> None:
-        self._disarm()
-        seconds = self.site.request_read_timeout
-        if seconds:
-            self._read_deadline = self.site.reactor.callLater(seconds, self._too_slow)
-
-    def _disarm(self) -> None:
-        if self._read_deadline is not None and self._read_deadline.active():
-            self._read_deadline.cancel()
-        self._read_deadline = None
-
-    def _too_slow(self) -> None:
-        self._read_deadline = None
-        log.info("closing a client connection that did not send its request within {seconds:g}s",
-                 seconds=self.site.request_read_timeout)
-        if self.transport is not None:
-            self.transport.abortConnection()  # type: ignore[attr-defined]
-
-    def allContentReceived(self) -> None:
-        self._disarm()
-        self._answering = True  # before super(): a quick answer ends it within
-        super().allContentReceived()
-
-    def requestDone(self, request: http.Request) -> None:
-        self._answering = False  # before super(): a pipelined request may begin within
-        super().requestDone(request)
-        if not self._answering and getattr(self.transport, "connected", False):
-            self._arm()  # keep-alive: the next request gets its own deadline
-
-    def connectionLost(self, reason: Optional[Failure] = None) -> None:
-        self._disarm()
-        self.site.open_connections -= 1
-        super().connectionLost(reason)
-
-
 class GuardedSite(Site):
-    """A Site with a per-request read deadline, a body size limit and a
-    connection cap."""
+    r"""A Site whose connections are :class:`FastChannel`\ s: strict parsing,
+    a per-request read deadline, a body size limit decided from the head,
+    and a connection cap."""
 
-    protocol = _GuardedChannel  # type: ignore[assignment]
+    #: The twisted.web channel behind each FastChannel, for what it does not serve itself.
+    protocol = BridgeChannel  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -155,13 +111,16 @@ class GuardedSite(Site):
         max_connections: int = 1024,
         max_body_bytes: Optional[int] = None,
         fast_routes: Optional[Dict[Tuple[bytes, bytes], FastRoute]] = None,
+        head_policy: Optional[HeadPolicy] = None,
     ) -> None:
         super().__init__(resource, requestFactory=LimitedRequest, timeout=idle_timeout, reactor=reactor)
         #: ``(method, path)`` -> route: the requests a
         #: :class:`~rolemesh.fast_channel.FastChannel` answers itself (the
-        #: proxied routes and a few GETs); None: every request goes through
-        #: twisted.web.
-        self.fast_routes = fast_routes
+        #: proxied routes and a few GETs); empty: every request goes through
+        #: twisted.web (after the same checks).
+        self.fast_routes = fast_routes or {}
+        #: Decides the key and the route from the head (None: no such checks).
+        self.head_policy = head_policy
         self.http_date = HttpDate(self.reactor)
         self.max_body_bytes = max_body_bytes
         self.request_read_timeout = request_read_timeout
@@ -175,7 +134,7 @@ class GuardedSite(Site):
         """No Apache-style access line: the API logs each proxied request with
         structured fields (request id, model, device, status, duration)."""
 
-    # Not always an HTTPChannel (a FastChannel for the fast routes), and None to refuse (IProtocolFactory's word).
+    # A FastChannel, not an HTTPChannel, and None to refuse (IProtocolFactory's word).
     def buildProtocol(self, addr: Optional[IAddress]) -> Optional[Protocol]:  # type: ignore[override]
         if self.open_connections >= self.max_connections:
             if not self._refusing:
@@ -184,13 +143,13 @@ class GuardedSite(Site):
             self._refusing = True
             return None
         self._refusing = False
-        channel: Optional[Protocol]
-        if self.fast_routes:
-            channel = FastChannel(self, self.fast_routes, lambda: super(GuardedSite, self).buildProtocol(addr))
-        else:
-            channel = super().buildProtocol(addr)
-        if channel is not None:
-            self.open_connections += 1
+        self.open_connections += 1
+        return FastChannel(self, self.fast_routes, lambda: self._bridge(addr))
+
+    def _bridge(self, addr: Optional[IAddress]) -> BridgeChannel:
+        """twisted.web's channel behind a FastChannel: its deadlines are the FastChannel's."""
+        channel = cast(BridgeChannel, super().buildProtocol(addr))
+        channel.timeOut = None
         return channel
 
 

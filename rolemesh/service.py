@@ -521,7 +521,8 @@ def _serve_api(
         request_read_timeout=config.request_read_timeout_s,
         max_connections=config.max_connections,
         max_body_bytes=config.max_request_body_bytes,
-        fast_routes=api.fast_routes(),
+        fast_routes=api.fast_routes() if config.fast_path else None,
+        head_policy=api,
     )
     root.tls = ServerTLS(config.tls) if config.tls is not None else None  # ConfigError on bad files
     listener = listening_service(site, host=config.listen_host, port=config.listen_port,

@@ -14,7 +14,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from rolemesh.fast_channel import FastChannel, FastRequest, fast_body_length, parse_request_head
+from rolemesh.fast_channel import MAX_QUEUED, FastChannel, FastRequest
 from rolemesh.listener import GuardedSite
 
 BODY = b'{"model": "m"}'
@@ -53,41 +53,25 @@ def head_and_body(raw: bytes) -> tuple:
     return lines[0], headers, body
 
 
-class ParseTests(SynchronousTestCase):
-    def test_request_head(self) -> None:
-        parsed = parse_request_head(b"POST /v1/x HTTP/1.1\r\nHost: a\r\nX-Request-Id:  r1 \r\nContent-Length: 2")
-        self.assertEqual(parsed, (b"POST", b"/v1/x", {b"host": b"a", b"x-request-id": b"r1",
-                                                        b"content-length": b"2"}))
-
-    def test_heads_for_twisted_web(self) -> None:
-        for head in (b"POST /x HTTP/1.0\r\nContent-Length: 1",  # HTTP/1.0
-                     b"POST /x  HTTP/1.1",  # odd request line
-                     b"POST /x HTTP/1.1\r\nBad header",
-                     b"POST /x HTTP/1.1\r\nA: 1\r\n folded",
-                     b"POST /x HTTP/1.1\r\nName : v",
-                     b"POST /x HTTP/1.1\r\nA: 1\r\nA: 2",  # repeated
-                     b"POST /x HTTP/1.1\r\n\xff: v"):
-            self.assertIsNone(parse_request_head(head), head)
-
-    def test_body_length(self) -> None:
-        self.assertEqual(fast_body_length({b"content-length": b"12"}, 100), 12)
-        self.assertEqual(fast_body_length({b"content-length": b"0"}, None), 0)
-        self.assertEqual(fast_body_length({}, 100, b"GET"), 0, "a GET may send no length: no body")
-        self.assertEqual(fast_body_length({b"content-length": b"3"}, 100, b"GET"), 3)
-        self.assertIsNone(fast_body_length({b"transfer-encoding": b"chunked"}, 100, b"GET"))
-        for headers in ({}, {b"content-length": b"-1"}, {b"content-length": b"1 2"},
-                        {b"content-length": b"101"}, {b"content-length": b"1", b"transfer-encoding": b"chunked"},
-                        {b"content-length": b"1", b"expect": b"100-continue"},
-                        {b"content-length": b"1", b"host": b"\xff"}):
-            self.assertIsNone(fast_body_length(headers, 100), headers)
-
-    @given(st.binary(max_size=300))
-    def test_any_bytes_parse_or_fall_back(self, head: bytes) -> None:
-        parsed = parse_request_head(head)
-        if parsed is not None:
-            method, path, headers = parsed
-            self.assertEqual(head.split(b"\r\n")[0], method + b" " + path + b" HTTP/1.1")
-            fast_body_length(headers, 1000)
+class AnyBytesTests(SynchronousTestCase):
+    @given(st.binary(max_size=300), st.integers(min_value=1, max_value=300))
+    def test_any_bytes_are_answered_or_awaited_never_raised(self, data: bytes, split: int) -> None:
+        """Whatever arrives, in whatever reads: no exception escapes the
+        channel, and every answer it writes is a whole HTTP/1.1 answer."""
+        route = Route()
+        site = GuardedSite(SlowPath(), reactor=Clock(), max_body_bytes=100,
+                           fast_routes={(b"POST", b"/fast"): route})
+        channel = site.buildProtocol(None)
+        transport = StringTransport()
+        channel.makeConnection(transport)
+        channel.dataReceived(data[:split])
+        channel.dataReceived(data[split:])
+        for result in route.results:
+            result.callback(b"ok")
+        out = transport.value()
+        self.assertTrue(out == b"" or out.startswith(b"HTTP/1.1 "), out[:80])
+        channel.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(site.open_connections, 0)
 
 
 class SlowPath(Resource):
@@ -109,7 +93,7 @@ class ChannelTests(SynchronousTestCase):
         self.channel.makeConnection(self.transport)
 
     def tearDown(self) -> None:
-        if not self.channel._closed:
+        if not self.channel.lost:
             self.channel.connectionLost(Failure(ConnectionDone()))
         self.assertEqual(self.site.open_connections, 0)
 
@@ -189,12 +173,41 @@ class ChannelTests(SynchronousTestCase):
     def test_pipelined_request_waits_for_the_answer(self) -> None:
         self.channel.dataReceived(post() + post(body=b'{"n": 2}'))
         self.assertEqual(len(self.route.requests), 1)
-        self.channel.dataReceived(b"")  # more data while answering: reading pauses
-        self.assertEqual(self.transport.producerState, "paused")
+        self.assertEqual(self.transport.producerState, "producing")  # one waiting: reading goes on
         self.route.results[0].callback(b"one")
-        self.assertEqual(self.transport.producerState, "producing")
         self.assertEqual(len(self.route.requests), 2)
         self.assertEqual(self.route.requests[1].content.read(), b'{"n": 2}')
+
+    def test_reading_pauses_while_many_requests_wait(self) -> None:
+        self.channel.dataReceived(post() * (MAX_QUEUED + 2))
+        self.assertEqual(self.transport.producerState, "paused")
+        for n in range(MAX_QUEUED // 2 + 1):
+            self.route.results[n].callback(b"ok")
+        self.assertEqual(self.transport.producerState, "producing")
+        while not self.route.results[-1].called:  # each answer lets the next request in
+            self.route.results[-1].callback(b"ok")
+        self.assertEqual(self.transport.value().count(b"HTTP/1.1 200 OK"), MAX_QUEUED + 2)
+
+    def test_hundreds_of_pipelined_answers_at_once_in_a_loop(self) -> None:
+        """300 requests in one read, each answered synchronously: all 300
+        answered, without recursion (the old channel hit RecursionError)."""
+        answered: List[FastRequest] = []
+        self.site.fast_routes[(b"GET", b"/now")] = lambda request: (answered.append(request), succeed(b"ok"))[1]
+        self.channel.dataReceived(b"GET /now HTTP/1.1\r\nHost: x\r\n\r\n" * 300)
+        self.assertEqual(len(answered), 300)
+        self.assertEqual(self.transport.value().count(b"HTTP/1.1 200 OK"), 300)
+        self.assertFalse(self.transport.disconnecting)
+
+    def test_a_client_that_does_not_read_stops_being_read(self) -> None:
+        self.channel.dataReceived(post())
+        (request,) = self.route.requests
+        upstream = StringTransport()
+        request.registerProducer(upstream, True)
+        self.channel.pauseProducing()  # what the transport does when its send buffer is full
+        self.assertEqual(self.transport.producerState, "paused")
+        self.assertEqual(upstream.producerState, "paused")
+        self.channel.resumeProducing()
+        self.assertEqual((self.transport.producerState, upstream.producerState), ("producing", "producing"))
 
     def test_client_gone_cancels_the_route(self) -> None:
         self.channel.dataReceived(post())
@@ -224,25 +237,74 @@ class ChannelTests(SynchronousTestCase):
         self.route.results[0].errback(CancelledError())
         self.assertEqual(self.flushLoggedErrors(), [])
 
-    def hand_off(self, data: bytes) -> None:
+    def bridged(self, data: bytes) -> None:
         self.channel.dataReceived(data)
         self.assertEqual(self.route.requests, [])
-        self.assertIsNotNone(self.channel._fallback)
+        self.assertIsNotNone(self.channel._bridge)
 
-    def test_other_routes_go_to_twisted_web(self) -> None:
-        self.hand_off(b"GET /health HTTP/1.1\r\nHost: node\r\n\r\n")
+    def test_other_routes_go_to_twisted_web_and_the_next_request_comes_back(self) -> None:
+        self.bridged(b"GET /health HTTP/1.1\r\nHost: node\r\n\r\n")
         self.assertIn(b"slow path", self.transport.value())
-        self.channel.dataReceived(post())  # the connection stays with twisted.web
-        self.assertEqual(self.route.requests, [])
-        self.assertEqual(self.transport.value().count(b"slow path"), 2)
+        self.channel.dataReceived(post())  # the next request on the connection: the fast path again
+        self.assertEqual(len(self.route.requests), 1)
 
-    def test_what_the_fast_path_does_not_read_goes_to_twisted_web(self) -> None:
-        for data in (post(extra=b"Transfer-Encoding: chunked\r\n"), post(path=b"/fast?x=1"),
-                     post(body=b"x" * 1001), b"POST /fast HTTP/1.1\r\nContent-Le",
-                     post().replace(b"HTTP/1.1", b"HTTP/1.0"), post(extra=b"Expect: 100-continue\r\n"),
-                     b"GARBAGE\r\n\r\n"):
+    def test_what_twisted_web_answers(self) -> None:
+        for data in (post(path=b"/fast?x=1"), post().replace(b"HTTP/1.1", b"HTTP/1.0")):
             self.setUp()
-            self.hand_off(data)
+            self.bridged(data)
+            self.assertIn(b"slow path", self.transport.value())
+            self.tearDown()
+
+    def test_twisted_web_gets_a_canonical_copy(self) -> None:
+        seen: List[Any] = []
+
+        class Echo(Resource):
+            isLeaf = True
+
+            def render(self, request: Any) -> bytes:
+                seen.append((request.requestHeaders.getRawHeaders(b"content-length"),
+                             request.requestHeaders.getRawHeaders(b"transfer-encoding"),
+                             request.requestHeaders.getRawHeaders(b"expect"), request.content.read()))
+                return b"ok"
+
+        self.site.resource = Echo()
+        self.channel.dataReceived(b"POST /other HTTP/1.1\r\nHost: n\r\nTransfer-Encoding: chunked\r\n"
+                                  b"Expect: 100-continue\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+        self.assertEqual(seen, [([b"5"], None, None, b"abcde")])
+
+    def test_chunked_and_expecting_bodies_are_served_on_the_fast_path(self) -> None:
+        self.channel.dataReceived(b"POST /fast HTTP/1.1\r\nHost: n\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                  b"3\r\nabc\r\n0\r\n\r\n")
+        self.assertEqual(self.route.requests[0].content.read(), b"abc")
+        self.route.results[0].callback(b"ok")
+        self.channel.dataReceived(post(extra=b"Expect: 100-continue\r\n"))
+        self.assertEqual(self.route.requests[1].content.read(), BODY)
+        self.assertNotIn(b"100 Continue", self.transport.value(), "the body came with the head: no 100")
+
+    def test_100_continue_only_when_the_client_waits_and_nothing_is_ahead(self) -> None:
+        raw = post(extra=b"Expect: 100-continue\r\n")
+        head, body = raw[:-len(BODY)], raw[-len(BODY):]
+        self.channel.dataReceived(head)
+        self.assertEqual(self.transport.value(), b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.channel.dataReceived(body)
+        self.assertEqual(self.route.requests[0].content.read(), BODY)
+
+    def test_100_continue_waits_for_the_answer_ahead(self) -> None:
+        raw = post(extra=b"Expect: 100-continue\r\n")
+        self.channel.dataReceived(post() + raw[:-len(BODY)])
+        self.assertNotIn(b"100 Continue", self.transport.value())
+        self.route.results[0].callback(b"one")
+        self.assertTrue(self.transport.value().endswith(b"one" + b"HTTP/1.1 100 Continue\r\n\r\n"))
+
+    def test_another_method_on_a_fast_path_goes_to_twisted_web(self) -> None:
+        for data in (b"HEAD /models HTTP/1.1\r\nHost: node\r\n\r\n",
+                     b"GET /fast HTTP/1.1\r\nHost: node\r\n\r\n"):
+            self.setUp()
+            got = Route()
+            self.site.fast_routes[(b"GET", b"/models")] = got
+            self.channel.dataReceived(data)
+            self.assertEqual((got.requests, self.route.requests), ([], []), data)
+            self.assertIsNotNone(self.channel._bridge)
             self.tearDown()
 
     def test_a_get_route_needs_no_body_and_keeps_the_connection_fast(self) -> None:
@@ -253,24 +315,12 @@ class ChannelTests(SynchronousTestCase):
         self.assertEqual((request.method, request.path, request.content.read()), (b"GET", b"/models", b""))
         got.results[0].callback(b"[]")
         self.assertTrue(self.transport.value().endswith(b"\r\n\r\n[]"))
-        self.channel.dataReceived(post())  # the next request on the same connection: still the fast path
+        self.channel.dataReceived(post())
         self.assertEqual(len(self.route.requests), 1)
-        self.assertIsNone(self.channel._fallback)
+        self.assertIsNone(self.channel._bridge)
 
-    def test_another_method_on_a_fast_path_goes_to_twisted_web(self) -> None:
-        for data in (b"HEAD /models HTTP/1.1\r\nHost: node\r\n\r\n",
-                     b"GET /fast HTTP/1.1\r\nHost: node\r\n\r\n",
-                     b"GET /models HTTP/1.1\r\nHost: node\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"):
-            self.setUp()
-            got = Route()
-            self.site.fast_routes[(b"GET", b"/models")] = got
-            self.channel.dataReceived(data)
-            self.assertEqual((got.requests, self.route.requests), ([], []), data)
-            self.assertIsNotNone(self.channel._fallback)
-            self.tearDown()
-
-    def test_handed_off_connection_is_counted_once(self) -> None:
-        self.hand_off(b"GET /health HTTP/1.1\r\nHost: node\r\n\r\n")
+    def test_bridged_connection_is_counted_once(self) -> None:
+        self.bridged(b"GET /health HTTP/1.1\r\nHost: node\r\n\r\n")
         self.channel.connectionLost(Failure(ConnectionDone()))
         self.assertEqual(self.site.open_connections, 0)
 
@@ -297,9 +347,18 @@ class ChannelTests(SynchronousTestCase):
 
 
 class WithoutFastRoutesTests(SynchronousTestCase):
-    def test_plain_twisted_web_channel(self) -> None:
+    def test_every_request_goes_to_twisted_web_after_the_same_checks(self) -> None:
         site = GuardedSite(SlowPath(), reactor=Clock())
-        self.assertNotIsInstance(site.buildProtocol(None), FastChannel)
+        channel = site.buildProtocol(None)
+        self.assertIsInstance(channel, FastChannel)
+        transport = StringTransport()
+        channel.makeConnection(transport)
+        channel.dataReceived(post(path=b"/fast") + b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")
+        out = transport.value()
+        self.assertIn(b"slow path", out)
+        self.assertIn(b"HTTP/1.1 400 Bad Request", out)
+        self.assertTrue(transport.disconnecting)
+        channel.connectionLost(Failure(ConnectionDone()))
 
 
 def _unused(_: Optional[Any]) -> Deferred:

@@ -1,0 +1,220 @@
+"""Differential fuzzing of the listener against twisted.web.
+
+Hypothesis builds HTTP/1.1 request streams from a grammar (methods, paths,
+Host, extra headers, Content-Length or chunked bodies, Expect,
+Connection: close, HTTP/1.0, pipelining, split writes) and mutates them
+(bare LF, lone CR, NUL, VT, FF, obs-fold, duplicate or conflicting
+Content-Length and Transfer-Encoding, no Host or two, names that are not
+tokens, many headers, junk in the length, truncation, odd versions).  The
+same bytes go, over real TCP, to the agent's listener and to plain
+twisted.web serving the same app (tests/integration/http_pair_server.py).
+
+- Unmutated streams must be answered the same: as many answers, the same
+  status classes, the same close.
+- Mutated ones may be refused by the agent where twisted.web served them
+  (it is stricter by design: RFC 9112's rules, docs/security.md), but
+  never the other way round: up to the agent's refusal the two agree, the
+  refusal is a 4xx/5xx and the agent's last answer, and the connection
+  closes.  Where twisted.web refused, the agent refused at or before it.
+
+CI runs a bounded number of examples; ``ROLEMESH_DIFF_EXAMPLES=N`` runs more.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Tuple
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.integration.raw_http import Answers, exchange, final
+
+EXAMPLES = int(os.environ.get("ROLEMESH_DIFF_EXAMPLES", "60"))
+#: With ``ROLEMESH_DIFF_STATS=PATH``: how many streams of each kind were sent, written there at exit.
+STATS: Counter = Counter()
+if os.environ.get("ROLEMESH_DIFF_STATS"):
+    atexit.register(lambda: open(os.environ["ROLEMESH_DIFF_STATS"], "w").write(json.dumps(STATS, indent=1)))
+
+NAMES = [b"Accept", b"User-Agent", b"X-Request-Id", b"Content-Type", b"X-A", b"Authorization"]
+VALUES = [b"v", b"*/*", b"a b", b"application/json", b"\xffobs", b"x\ty", b""]
+BYTE_MUTATIONS = ["bare_lf", "lone_cr", "nul", "vt", "ff", "del"]
+HEAD_MUTATIONS = ["obs_fold", "dup_cl", "dup_cl_same", "te_identity", "te_gzip", "te_and_cl", "no_host", "two_hosts",
+                  "space_in_name", "space_before_colon", "at_in_name", "many_headers", "cl_junk", "cl_plus",
+                  "bad_version", "lower_method", "unknown_expect", "chunk_size_0x", "truncate"]
+
+
+@st.composite
+def requests(draw: Any) -> Tuple[bytes, Optional[str]]:
+    """One request's bytes and the mutation applied (None: a valid request)."""
+    method = draw(st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE", b"OPTIONS"]))
+    path = draw(st.sampled_from([b"/v1/chat/completions", b"/health", b"/other", b"/v1/chat/completions?x=1",
+                                 b"/a%20b", b"/"]))
+    version = draw(st.sampled_from([b"1.1", b"1.1", b"1.1", b"1.0"]))
+    mutation = draw(st.sampled_from([None] * 8 + BYTE_MUTATIONS + HEAD_MUTATIONS))
+    headers: List[Tuple[bytes, bytes]] = []
+    if version == b"1.1" or draw(st.booleans()):
+        headers.append((b"Host", b"node"))
+    headers += draw(st.lists(st.tuples(st.sampled_from(NAMES), st.sampled_from(VALUES)), max_size=4))
+    body = draw(st.binary(max_size=40)) if method in (b"POST", b"PUT") else b""
+    chunked = bool(body) and version == b"1.1" and draw(st.booleans())
+    if chunked:
+        headers.append((b"Transfer-Encoding", b"chunked"))
+        cut = draw(st.integers(min_value=1, max_value=len(body)))
+        encoded = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:cut], body[cut:]) if part)
+        encoded += b"0\r\n\r\n"
+    else:
+        if body or method in (b"POST", b"PUT"):
+            headers.append((b"Content-Length", b"%d" % len(body)))
+        encoded = body
+    if body and version == b"1.1" and draw(st.booleans()):
+        headers.append((b"Expect", b"100-continue"))
+    if draw(st.integers(min_value=0, max_value=3)) == 0:
+        headers.append((b"Connection", b"close"))
+
+    if mutation == "obs_fold":
+        headers.insert(1, (b"X-Fold", b"a\r\n b"))
+    elif mutation == "dup_cl":
+        headers.append((b"Content-Length", b"%d" % (len(body) + 3)))
+    elif mutation == "dup_cl_same":
+        headers.append((b"Content-Length", b"%d" % len(body)))
+    elif mutation == "te_identity":
+        headers = [h for h in headers if h[0] != b"Transfer-Encoding"] + [(b"Transfer-Encoding", b"identity")]
+    elif mutation == "te_gzip":
+        headers.append((b"Transfer-Encoding", b"gzip"))
+    elif mutation == "te_and_cl":
+        headers.append((b"Transfer-Encoding", b"chunked") if not chunked else (b"Content-Length", b"5"))
+    elif mutation == "no_host":
+        headers = [h for h in headers if h[0] != b"Host"]
+    elif mutation == "two_hosts":
+        headers += [(b"Host", b"a"), (b"Host", b"b")]
+    elif mutation == "space_in_name":
+        headers.append((b"Content Type", b"v"))
+    elif mutation == "space_before_colon":
+        headers.append((b"X-B ", b"v"))
+    elif mutation == "at_in_name":
+        headers.append((draw(st.sampled_from([b"X@Y", b"X(A)", b"X-A\x7f", b"X/Y"])), b"v"))
+    elif mutation == "many_headers":
+        headers += [(b"X-%d" % i, b"v") for i in range(draw(st.sampled_from([101, 300, 600])))]
+    elif mutation == "cl_junk":
+        headers = [(n, v + draw(st.sampled_from([b"\x0b", b"\x0c", b"_0", b" 1", b",1"])))
+                   if n == b"Content-Length" else (n, v) for n, v in headers]
+    elif mutation == "cl_plus":
+        headers = [(n, b"+" + v) if n == b"Content-Length" else (n, v) for n, v in headers]
+    elif mutation == "bad_version":
+        version = draw(st.sampled_from([b"1.2", b"2.0", b"0.9", b"1.01"]))
+    elif mutation == "lower_method":
+        method = method.lower()
+    elif mutation == "unknown_expect":
+        headers.append((b"Expect", b"something-else"))
+    elif mutation == "chunk_size_0x" and chunked:
+        encoded = b"0x" + encoded
+
+    head = b"%s %s HTTP/%s\r\n" % (method, path, version) + b"".join(
+        name + b": " + value + b"\r\n" for name, value in headers) + b"\r\n"
+    if mutation in BYTE_MUTATIONS:
+        if mutation in ("bare_lf", "lone_cr"):
+            breaks = [i for i in range(len(head) - 1) if head[i:i + 2] == b"\r\n"]
+            at = breaks[draw(st.integers(min_value=0, max_value=len(breaks) - 1))]
+            head = head[:at] + (b"\n" if mutation == "bare_lf" else b"\r") + head[at + 2:]
+        else:
+            at = draw(st.integers(min_value=1, max_value=len(head) - 4))
+            head = head[:at] + {"nul": b"\x00", "vt": b"\x0b", "ff": b"\x0c", "del": b"\x7f"}[mutation] + head[at:]
+    data = head + encoded
+    if mutation == "truncate":
+        data = data[:draw(st.integers(min_value=1, max_value=len(data) - 1))]
+    return data, mutation
+
+
+streams = st.tuples(st.lists(requests(), min_size=1, max_size=3), st.integers(min_value=1, max_value=3))
+
+
+def same_class(a: int, b: int) -> bool:
+    return a // 100 == b // 100
+
+
+class DifferentialTests(SynchronousTestCase):
+    server: Optional[subprocess.Popen] = None
+    ports: Dict[str, int] = {}
+
+    def setUp(self) -> None:
+        cls = type(self)
+        if cls.server is None or cls.server.poll() is not None:
+            script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "http_pair_server.py")
+            cls.server = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            line = cls.server.stdout.readline()  # type: ignore[union-attr]
+            cls.ports = json.loads(line)
+            atexit.register(cls.stop_server)  # and if trial dies, the closed stdin stops it
+        self.pool = ThreadPoolExecutor(2)
+        self.addCleanup(self.pool.shutdown)
+
+    @classmethod
+    def stop_server(cls) -> None:
+        if cls.server is not None:
+            cls.server.stdin.close()  # type: ignore[union-attr]
+            cls.server.wait(10)
+            cls.server = None
+
+    def both(self, data: bytes, pieces: int) -> Tuple[Answers, Answers]:
+        ours = self.pool.submit(exchange, self.ports["ours"], data, quiet=0.15, limit=5, pieces=pieces)
+        plain = self.pool.submit(exchange, self.ports["twisted_web"], data, quiet=0.15, limit=5, pieces=pieces)
+        return ours.result(), plain.result()
+
+    def check(self, data: bytes, pieces: int, mutated: bool) -> None:
+        ours, plain = self.both(data, pieces)
+        o, p = final(ours), final(plain)
+        where = f"\nsent {data[:600]!r}\nours {ours!r}\ntwisted.web {plain!r}"
+        if not mutated:
+            self.assertEqual(len(o), len(p), where)
+            self.assertTrue(all(same_class(a, b) for a, b in zip(o, p)), where)
+            self.assertEqual(ours.closed, plain.closed, where)
+            return
+        for i, (a, b) in enumerate(zip(o, p)):
+            if same_class(a, b):
+                continue
+            # The first disagreement: the agent refused what twisted.web served, and stopped there.
+            self.assertGreaterEqual(a, 400, "the agent served what twisted.web refused" + where)
+            self.assertEqual(i, len(o) - 1, "the agent's refusal is its last answer" + where)
+            self.assertTrue(ours.closed, "and it closes" + where)
+            return
+        if len(o) == len(p):
+            if o and o[-1] >= 400 and ours.closed:
+                return
+            self.assertEqual(ours.closed, plain.closed, where)
+        elif len(o) < len(p):  # the agent answered fewer: only by refusing, and closing
+            self.assertTrue(o and o[-1] >= 400 and ours.closed, "the agent stopped answering" + where)
+        else:  # the agent answered more: only where twisted.web waits or closed without an answer it owed
+            self.assertTrue(plain.closed or not ours.closed, where)
+            self.assertFalse(p and p[-1] >= 400 and plain.closed,
+                             "twisted.web refused and closed, the agent went on" + where)
+
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(streams)
+    def test_same_framing_as_twisted_web_or_stricter(self, stream: Tuple[List[Tuple[bytes, Optional[str]]], int]
+                                                     ) -> None:
+        parts, pieces = stream
+        data = b"".join(p for p, _ in parts)
+        mutated = any(m is not None for _, m in parts)
+        STATS["streams"] += 1
+        STATS["requests"] += len(parts)
+        for _, m in parts:
+            STATS[m or "valid"] += 1
+        self.check(data, pieces, mutated)
+
+    def test_known_disagreements_are_the_agent_being_stricter(self) -> None:
+        """The cases of issue 25 where twisted.web itself serves what RFC 9112 refuses."""
+        ok = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        for data in (b"POST /other HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n\r\n" + ok,
+                     b"GET /health HTTP/1.1\r\n\r\n",
+                     b"GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"):
+            ours, plain = self.both(data, 1)
+            self.assertEqual(final(ours), [400], ours)
+            self.assertTrue(ours.closed)
+            self.assertNotEqual(final(plain), [400], f"twisted.web serves it: {plain!r}")

@@ -1,0 +1,221 @@
+"""The listener, sent raw bytes as an attacker would, on a real agent.
+
+Each case was seen from outside on the listener before it parsed with
+llhttp (issue 25): a stall after ~140 pipelined answers, heads twisted.web
+rejects served, keyless bodies held in memory, framing that a front proxy
+and the agent could read differently.  Each test runs on the fast path and,
+in the subclass, with ``fast_path: false`` (every request through
+twisted.web, after the same checks).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import time
+from typing import Dict
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.integration.harness import AgentProcess, require_llama_server, tiny_model
+from tests.integration.raw_http import exchange, final
+
+KEY = "listener-key"
+AUTH = b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+CHAT = json.dumps({"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+
+
+def health(extra: bytes = b"") -> bytes:
+    return b"GET /health HTTP/1.1\r\nHost: x\r\n" + extra + b"\r\n"
+
+
+def post(path: bytes = b"/v1/chat/completions", body: bytes = CHAT, extra: bytes = AUTH) -> bytes:
+    return (b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + extra
+            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+class ListenerBytesTests(SynchronousTestCase):
+    fast_path = True
+    #: One agent per class, started by its first test, stopped when trial exits
+    #: (trial has no setUpClass); every test leaves it as it found it.
+    _agents: Dict[bool, AgentProcess] = {}
+
+    def setUp(self) -> None:
+        require_llama_server()
+        agent = self._agents.get(self.fast_path)
+        if agent is None or agent.process.poll() is not None:
+            directory = os.path.abspath(f"_listener_bytes_{int(self.fast_path)}")
+            agent = self._agents[self.fast_path] = AgentProcess(directory, {
+                "api_key": KEY, "fast_path": self.fast_path, "request_read_timeout_s": 5, "idle_timeout_s": 10,
+                "models": [{"model_id": "tiny-a", "path": tiny_model(directory, "a", 1), "preload": True}]})
+            atexit.register(agent.stop)
+        self.agent = agent
+
+    def send(self, data: bytes, **kw):
+        return exchange(self.agent.port, data, **kw)
+
+    def assert_refused(self, data: bytes, status: int = 400) -> None:
+        answers = self.send(data, limit=5)
+        self.assertEqual(final(answers), [status], answers)
+        self.assertTrue(answers.closed, answers)
+
+    # -- pipelining: all answered, in a loop, on time ----------------------------------
+
+    def test_300_pipelined_requests_in_one_write_are_all_answered(self) -> None:
+        start = time.monotonic()
+        answers = self.send(health() * 300, expect=300, limit=20)
+        self.assertEqual(final(answers), [200] * 300, answers)
+        self.assertFalse(answers.closed, answers)
+        self.assertLess(time.monotonic() - start, 20)
+        self.assertNotIn("RecursionError", self.agent.log_text())
+
+    def test_2000_pipelined_keyless_requests_are_all_answered_401(self) -> None:
+        answers = self.send(post(body=b"", extra=b"") * 2000, expect=2000, limit=30)
+        self.assertEqual(final(answers), [401] * 2000, answers)
+
+    def test_pipelined_completions_on_a_real_child(self) -> None:
+        answers = self.send(post() * 10, expect=10, limit=60)
+        self.assertEqual(final(answers), [200] * 10, answers)
+
+    # -- heads twisted.web rejects, and RFC 9112's rules -------------------------------
+
+    def test_line_breaks_and_control_bytes_in_the_head(self) -> None:
+        for data in (b"GET /health HTTP/1.1\nHost: x\n\n",  # bare LF
+                     b"GET /health HTTP/1.1\r\nHost: x\r\nX: a\rb\r\n\r\n",  # lone CR
+                     b"GET /health HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n",  # NUL
+                     b"GET /health HTTP/1.1\r\nHost: x\r\nX: a\r\n folded\r\n\r\n"):  # obs-fold
+            self.assert_refused(data)
+
+    def test_header_names_that_are_not_tokens(self) -> None:
+        for name in (b"Content Type", b"X@Y", b"X(A)", b"X-A\x7f", b"X "):
+            self.assert_refused(health(name + b": v\r\n"))
+
+    def test_too_many_headers(self) -> None:
+        lines = b"".join(b"X-%d: v\r\n" % i for i in range(1000))
+        self.assert_refused(health(lines), 431)
+        self.assertEqual(final(self.send(health(b"".join(b"X-%d: v\r\n" % i for i in range(99))), expect=1)),
+                         [200])
+
+    def test_content_length_that_is_not_digits_smuggles_nothing(self) -> None:
+        smuggled = health()
+        for value in (b"97\x0b", b"\x0c101", b"+5", b"5_0", b"0x10", b"1, 1", b"-1"):
+            body = b"x" * 97 + smuggled
+            self.assert_refused(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: " + value
+                                + b"\r\n\r\n" + body)
+
+    def test_conflicting_framing(self) -> None:
+        self.assert_refused(post(extra=AUTH + b"Content-Length: 3\r\n"))  # two lengths
+        self.assert_refused(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH
+                            + b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n")
+
+    def test_transfer_coding_not_ending_in_chunked(self) -> None:
+        """RFC 9112 §6.3: a 400 and a close, not an empty body and the rest as the next request."""
+        for coding in (b"identity", b"gzip", b"chunked, gzip"):
+            self.assert_refused(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Transfer-Encoding: "
+                                + coding + b"\r\n\r\n" + health())
+
+    def test_host_must_be_there_once(self) -> None:
+        """RFC 9112 §3.2."""
+        self.assert_refused(b"GET /health HTTP/1.1\r\n\r\n")
+        self.assert_refused(b"GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")
+        self.assertEqual(final(self.send(b"GET /health HTTP/1.0\r\n\r\n")), [200], "HTTP/1.0 may omit it")
+
+    def test_chunk_sizes_are_hex_digits(self) -> None:
+        for size in (b"0x2", b"+2", b"2 2", b"1_0"):
+            self.assert_refused(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH
+                                + b"Transfer-Encoding: chunked\r\n\r\n" + size + b"\r\nab\r\n0\r\n\r\n")
+
+    # -- decided on the head -----------------------------------------------------------
+
+    def test_expect_100_continue_with_a_huge_body_is_413_at_once(self) -> None:
+        answers = self.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH
+                            + b"Expect: 100-continue\r\nContent-Length: 10000000000\r\n\r\n", limit=5)
+        self.assertEqual(answers.statuses, [413], answers)
+        self.assertTrue(answers.closed, answers)
+
+    def test_keyless_expect_gets_401_not_100(self) -> None:
+        answers = self.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                            b"Content-Length: 1000\r\n\r\n", limit=5)
+        self.assertEqual(answers.statuses, [401], answers)
+        self.assertTrue(answers.closed)
+
+    def test_expect_100_continue_with_a_key_gets_its_100_then_its_answer(self) -> None:
+        sock = socket.create_connection(("127.0.0.1", self.agent.port), timeout=10)
+        try:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Expect: 100-continue\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(CHAT))
+            self.assertEqual(sock.recv(100), b"HTTP/1.1 100 Continue\r\n\r\n")
+            sock.sendall(CHAT)
+            self.assertTrue(sock.recv(100).startswith(b"HTTP/1.1 200 OK"))
+        finally:
+            sock.close()
+
+    def test_refused_heads_are_answered_without_their_body(self) -> None:
+        for extra, path, status in ((b"", b"/v1/chat/completions", 401),  # no key
+                                    (AUTH, b"/v1/nowhere", 404),  # no route
+                                    (b"", b"/v1/nowhere", 401)):  # no key says nothing of routes
+            sock = socket.create_connection(("127.0.0.1", self.agent.port), timeout=5)
+            try:
+                sock.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\n" + extra + b"Content-Length: 8000000\r\n\r\n")
+                answer = sock.recv(4096)  # no byte of the body sent
+                self.assertTrue(answer.startswith(b"HTTP/1.1 %d " % status), answer)
+                self.assertIn(b"Connection: close", answer)
+                self.assertEqual(sock.recv(4096), b"", "then it closes")
+            finally:
+                sock.close()
+
+    def test_keyless_bodies_are_not_held(self) -> None:
+        """48 keyless clients each sending 6 MiB of an announced 8 MB body
+        raised the agent's RSS by 274 MB before: now each gets 401 from
+        its head and nothing of the body is kept."""
+        pid = self.agent.process.pid
+        before = rss_bytes(pid)
+        socks = [socket.create_connection(("127.0.0.1", self.agent.port), timeout=10) for _ in range(48)]
+        chunk = b"x" * (1 << 20)
+        answers = []
+        try:
+            for sock in socks:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 8000000\r\n\r\n")
+            for sock in socks:
+                for _ in range(6):
+                    try:
+                        sock.sendall(chunk)
+                    except OSError:  # closed after its 401: the rest is not read
+                        break
+            grown = rss_bytes(pid) - before
+            for sock in socks:
+                try:
+                    answers.append(sock.recv(4096)[:12])
+                except OSError:
+                    answers.append(b"reset")
+        finally:
+            for sock in socks:
+                sock.close()
+        self.assertLess(grown, 48 * (1 << 20), f"RSS grew by {grown} bytes")
+        self.assertEqual(set(answers) - {b"reset"}, {b"HTTP/1.1 401"}, answers)
+
+    def test_the_read_deadline_holds_for_every_path(self) -> None:
+        for data in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: 10\r\n\r\nabc",
+                     b"POST /v1/node/reload HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: 10\r\n\r\nabc",
+                     b"GET /v1/node/inventory HTTP/1.1\r\nHost: x\r\n"):
+            start = time.monotonic()
+            answers = self.send(data, quiet=20, limit=20)
+            self.assertTrue(answers.closed, answers)
+            self.assertLess(time.monotonic() - start, 10, "the 5 s read deadline")
+
+    def test_a_valid_request_after_all_this_is_served(self) -> None:
+        self.assertEqual(final(self.send(post(), expect=1, limit=30)), [200])
+
+
+class ListenerBytesWithoutFastPathTests(ListenerBytesTests):
+    fast_path = False
