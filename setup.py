@@ -19,7 +19,9 @@ setup(
     packages=["rolemesh", "rolemesh.backends", "rolemesh.schemas", "twisted.plugins"],
     package_data={"rolemesh.schemas": ["*.json"], "twisted.plugins": ["rolemesh_node.py"]},
     install_requires=[
-        "twisted[tls]>=24.3",  # pyOpenSSL, service-identity, idna: HTTPS listener and dispatcher
+        # [tls]: pyOpenSSL, service-identity, idna (HTTPS listener and dispatcher).  Below 27: the newest
+        # releases rolemesh.twisted_compat was checked against are 26.x (a newer doPoll falls back anyway).
+        "twisted[tls]>=24.3,<27",
         "cryptography>=42",  # certificate checks (rolemesh.tls); tests generate certificates with it
         "httptools>=0.6",  # llhttp: the listener's request parser (rolemesh.fast_channel)
         "klein>=23.5",

@@ -17,24 +17,42 @@ and the dropped connection, are as before.
 ``rolemesh-node-agent`` installs it (:func:`install`) unless a reactor is
 installed already; under twistd it is ``--reactor rolemesh-epoll``.  Where
 epoll does not exist (``AgentEPollReactor`` is None), Twisted's default
-reactor is used.  The class lives in :mod:`rolemesh.twisted_compat`, with
-the other uses of Twisted's internals.
+reactor is used.  The class is a copy of one method of Twisted's, so it
+runs only on a Twisted whose ``EPollReactor.doPoll`` is the one it was
+compared with (:func:`~rolemesh.twisted_compat.epoll_copy_differs`); on any
+other, the agent runs Twisted's own epoll reactor and says so in one log
+line.  The class lives in :mod:`rolemesh.twisted_compat`, with the other
+uses of Twisted's internals.
 """
 
 from __future__ import annotations
 
 import sys
 
-from rolemesh.twisted_compat import AgentEPollReactor
+from twisted.logger import Logger
+
+from rolemesh.twisted_compat import AgentEPollReactor, epoll_copy_differs
+
+log = Logger()
 
 
 def install() -> bool:
     """Install :class:`AgentEPollReactor` as the global reactor; False (and
-    nothing done) when a reactor is installed already or epoll is missing."""
+    nothing done) when a reactor is installed already or epoll is missing;
+    False with Twisted's own epoll reactor installed (and a warning logged)
+    when the installed Twisted's loop is not the one the copy was checked
+    against."""
     if AgentEPollReactor is None or "twisted.internet.reactor" in sys.modules:
         return False
     from twisted.internet.main import installReactor
 
+    differs = epoll_copy_differs()
+    if differs is not None:
+        from twisted.internet.epollreactor import EPollReactor
+
+        log.warn("{why}: running Twisted's own epoll reactor instead of the agent's", why=differs)
+        installReactor(EPollReactor())
+        return False
     installReactor(AgentEPollReactor())
     return True
 

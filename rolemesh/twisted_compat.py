@@ -11,6 +11,9 @@ ends of the supported range).
 from __future__ import annotations
 
 import errno
+import hashlib
+import inspect
+import textwrap
 from typing import Optional
 
 from twisted.internet import tcp
@@ -133,3 +136,23 @@ if _EPollReactor is not None:
 
 else:
     AgentEPollReactor = None  # type: ignore[assignment,misc]
+
+#: SHA-256 of ``EPollReactor.doPoll``'s source (dedented) in the Twisted
+#: releases :class:`AgentEPollReactor` was compared with: 24.3.0 to 26.10.0
+#: (the same text in all of them).  Add a release's digest only after
+#: reading its doPoll against the copy above.
+CHECKED_DOPOLL = frozenset({"312b649eff9e5e235b9126c3e8c8a2d5178bc277bd5b0fe9e10637d84f5f7092"})
+
+
+def epoll_copy_differs() -> Optional[str]:
+    """Why :class:`AgentEPollReactor` must not run on the installed Twisted
+    (its ``doPoll`` is not one the copy was compared with), or None."""
+    if _EPollReactor is None:
+        return "this platform has no epoll"
+    try:
+        source = inspect.getsource(_EPollReactor.doPoll)
+    except (OSError, TypeError):
+        return "the installed Twisted's EPollReactor.doPoll has no source to compare with"
+    if hashlib.sha256(textwrap.dedent(source).encode("utf-8")).hexdigest() not in CHECKED_DOPOLL:
+        return "the installed Twisted's EPollReactor.doPoll is not the one rolemesh's copy was checked against"
+    return None

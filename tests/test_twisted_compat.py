@@ -262,6 +262,24 @@ class AgentReactorTests(SynchronousTestCase):
         self.assertIs(EPollReactor.doIteration, EPollReactor.doPoll)
         self.assertTrue(callable(getattr(EPollReactor, "_doReadOrWrite", None)))
 
+    def test_the_installed_twisted_is_one_the_copy_was_checked_against(self) -> None:
+        """Fails on a Twisted whose doPoll changed: read it against the copy,
+        then add its digest to CHECKED_DOPOLL (until then the agent runs
+        Twisted's own reactor there, tests/integration/test_event_loop.py)."""
+        from rolemesh.twisted_compat import AgentEPollReactor, epoll_copy_differs
+
+        if AgentEPollReactor is None:
+            raise SkipTest("no epoll here")
+        self.assertIsNone(epoll_copy_differs())
+
+    def test_another_dopoll_is_noticed(self) -> None:
+        from rolemesh import twisted_compat
+
+        if twisted_compat.AgentEPollReactor is None:
+            raise SkipTest("no epoll here")
+        self.patch(twisted_compat, "CHECKED_DOPOLL", frozenset({"0" * 64}))
+        self.assertIn("doPoll", twisted_compat.epoll_copy_differs() or "")
+
     def test_it_dispatches_what_the_poller_reports_and_survives_a_dispatch_error(self) -> None:
         from rolemesh.twisted_compat import AgentEPollReactor
 

@@ -92,3 +92,32 @@ class AgentReactorTests(SynchronousTestCase):
         # its system is "-" rather than the connection's (see the module).
         self.assertEqual(out["errors"], [["a protocol bug", "-"]], "the protocol's error was logged")
         self.assertEqual(out["timer"], [True])
+
+
+FALLBACK = r"""
+import json
+from rolemesh import twisted_compat
+twisted_compat.CHECKED_DOPOLL = frozenset()  # as if a Twisted with another doPoll were installed
+from twisted.logger import globalLogBeginner
+warnings = []
+globalLogBeginner.beginLoggingTo([lambda e: warnings.append(e.get("why"))], redirectStandardIO=False)
+from rolemesh import event_loop
+installed = event_loop.install()
+from twisted.internet import reactor
+print(json.dumps({"installed": installed, "reactor": type(reactor).__name__, "warnings": [w for w in warnings if w]}))
+"""
+
+
+class FallbackTests(SynchronousTestCase):
+    def test_a_twisted_whose_loop_was_not_checked_gets_its_own_reactor_and_a_log_line(self) -> None:
+        from rolemesh import event_loop
+
+        if event_loop.AgentEPollReactor is None:
+            raise SkipTest("no epoll here")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([CHECKOUT, os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, timeout=60, env=env, cwd=CHECKOUT)
+        self.assertEqual(done.returncode, 0, done.stderr.decode()[-2000:])
+        out = json.loads(done.stdout.decode().strip().splitlines()[-1])
+        self.assertEqual((out["installed"], out["reactor"]), (False, "EPollReactor"))
+        self.assertEqual(len(out["warnings"]), 1, out)
+        self.assertIn("doPoll", out["warnings"][0])

@@ -190,6 +190,8 @@ class DifferentialTests(SynchronousTestCase):
             self.assertEqual(ours.closed, plain.closed, where)
         elif len(o) < len(p):  # the agent answered fewer: only by refusing, and closing
             self.assertTrue(o and o[-1] >= 400 and ours.closed, "the agent stopped answering" + where)
+        elif len(o) == len(p) + 1 and o[-1] >= 400 and ours.closed:
+            return  # the agent refused (and closed) where twisted.web still waits for more
         else:  # the agent answered more: only where twisted.web waits or closed without an answer it owed
             self.assertTrue(plain.closed or not ours.closed, where)
             self.assertFalse(p and p[-1] >= 400 and plain.closed,
