@@ -70,6 +70,11 @@ HOP_HEADERS = frozenset(
 #: relayed as it arrives.
 STREAM_COALESCE_S = 0.008
 
+#: What ends an OpenAI stream, as it begins a line (a JSON string holds no raw
+#: newline, so no token's text can look like it).
+_DONE_EVENT = b"\ndata: [DONE]"
+_DONE_TAIL = len(_DONE_EVENT) - 1
+
 #: The headers of every request to a child (never changed: shared).
 _REQUEST_HEADERS = Headers({b"content-type": [b"application/json"], b"accept": [b"*/*"]})
 
@@ -122,12 +127,21 @@ def sse_error_event(message: str) -> bytes:
 
 class _Relay(Protocol):
     """Copies an upstream body to the downstream request as it arrives;
-    tells ``ended(whole)`` how the body ended."""
+    tells ``ended(whole)`` how the body ended.
 
-    def __init__(self, request: ProxiedRequest, ended: Callable[[bool], None], on_data: Callable[[], None]) -> None:
+    ``watch_done`` (an event stream): ``answered`` turns True once the
+    stream's ``data: [DONE]`` was written to the client -- the client has its
+    whole answer then, whatever happens to the connections after it."""
+
+    def __init__(self, request: ProxiedRequest, ended: Callable[[bool], None], on_data: Callable[[], None],
+                 watch_done: bool = False) -> None:
         self._request = request
         self._ended = ended
         self._on_data = on_data
+        self.answered = False
+        #: The last bytes written (a [DONE] split across reads), from a line
+        #: start; None when not watching, or once answered.
+        self._tail: Optional[bytes] = b"\n" if watch_done else None
 
     def connectionMade(self) -> None:
         self._request.registerProducer(self.transport, True)  # type: ignore[arg-type]  # a TransportProxyProducer
@@ -135,6 +149,12 @@ class _Relay(Protocol):
     def dataReceived(self, data: bytes) -> None:
         self._on_data()
         self._request.write(data)
+        tail = self._tail
+        if tail is not None:
+            if _DONE_EVENT in data or _DONE_EVENT in tail + data[:_DONE_TAIL]:
+                self.answered, self._tail = True, None
+            else:
+                self._tail = data[-_DONE_TAIL:] if len(data) >= _DONE_TAIL else (tail + data)[-_DONE_TAIL:]
 
     def abort(self) -> None:
         """Close the upstream connection (the client went away, or a deadline passed)."""
@@ -193,15 +213,27 @@ class Forward:
             self.done = True
             self._ended(outcome)
 
+    @property
+    def answered(self) -> bool:
+        """The client has its whole answer: a stream's ``data: [DONE]`` was
+        written to it (only the chunked body's end may be missing)."""
+        return self.relay is not None and self.relay.answered
+
     def cancel(self) -> None:
         """The client went away: close the upstream connection (llama-server
         stops generating); ends as CLIENT_GONE, or with CancelledError if the
-        connection is still closing."""
+        connection is still closing -- or as COMPLETE once the client had its
+        whole answer (the openai SDK closes right after ``[DONE]``, without
+        reading the end of the chunked body)."""
         if self.done:
             return
         self.cancelled = True
         self._abort_upstream()
-        self._end(Failure(defer.CancelledError()))
+        if self.answered:
+            self._stop_timers()
+            self._end(COMPLETE)
+        else:
+            self._end(Failure(defer.CancelledError()))
 
     def _send(self, fresh: bool) -> None:
         """Send the request: on a pooled connection, or (``fresh``) on one of
@@ -295,7 +327,7 @@ class Forward:
                 request.write(body)
             self._body_ended(True)
             return
-        self.relay = _Relay(request, self._body_ended, self._on_data)
+        self.relay = _Relay(request, self._body_ended, self._on_data, watch_done=self.event_stream)
         response.deliverBody(self.relay)
         if self.idle_timeout is not None and not self.body_ended:
             # Not for an answer that came whole with its head (most non-streamed ones).
@@ -304,7 +336,7 @@ class Forward:
     def _relayed(self, whole: bool) -> None:
         if self.done:
             return
-        if whole:
+        if whole or self.answered:  # after [DONE] the client needs nothing more of the child
             self._end(COMPLETE)
         elif self.proxy._client_gone(self.request):
             self._end(CLIENT_GONE)

@@ -723,3 +723,59 @@ class IdleTimeoutTests(ProxyTestCase):
         self.assertNoResult(d)
         self.agent.last.respond(FakeResponse()).finish()
         self.assertEqual(self.successResultOf(d), COMPLETE)
+
+
+class AnsweredTests(ProxyTestCase):
+    """A stream whose ``data: [DONE]`` was relayed is a success whatever the
+    client does next (the openai SDK v2 closes right after it, without
+    reading the end of the chunked body)."""
+
+    def test_a_client_that_closes_right_after_done_was_answered(self) -> None:
+        d = self.forward(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        response.send(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n')
+        response.send(b'data: {"choices":[{"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+        self.request.client_gone()
+        d.cancel()
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertEqual(response.transport.stopped, 1, "the upstream connection is closed all the same")
+        response.cut()
+        self.assertEqual(self.request.writes_after_gone, [])
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_done_split_across_reads_counts(self) -> None:
+        for cut in range(1, 14):
+            self.request = DownstreamRequest()
+            d = self.forward(streaming=True)
+            response = self.agent.last.respond(self.event_stream())
+            wire = b'data: {"n":1}\n\ndata: [DONE]\n\n'
+            at = wire.index(b"data: [DONE]") + cut - 1
+            response.send(wire[:at])
+            response.send(wire[at:])
+            d.cancel()
+            self.assertEqual(self.successResultOf(d), COMPLETE, cut)
+
+    def test_a_close_before_done_is_still_client_gone(self) -> None:
+        d = self.forward(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        response.send(b'data: {"choices":[{"delta":{"content":"data: [DONE]"}}]}\n\n')  # a token's text
+        response.send(b"data: [DONE")
+        self.request.client_gone()
+        d.cancel()
+        self.assertClientGone(d)
+
+    def test_a_child_that_dies_after_done_leaves_a_complete_answer(self) -> None:
+        d = self.forward(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        response.send(b"data: {}\n\ndata: [DONE]\n\n")
+        response.cut()  # before the chunked body's end
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertNotIn(b"upstream_error", self.request.body, "no error event after [DONE]")
+        self.assertEqual(self.request.aborted, 0)
+
+    def test_done_is_watched_in_event_streams_only(self) -> None:
+        d = self.forward()
+        response = self.agent.last.respond(FakeResponse())
+        response.send(b'{"x": "\ndata: [DONE]"')
+        d.cancel()
+        self.assertClientGone(d)
