@@ -16,7 +16,7 @@ fails on a stale pooled connection before any byte was sent is retried once.
 from __future__ import annotations
 
 import json
-from typing import Callable, Optional, Union
+from typing import Callable, List, Optional, Union
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
@@ -119,6 +119,39 @@ def _never_sent(failure: Failure) -> bool:
     return never_sent(failure)
 
 
+#: The most bytes of a child's error answer held to put it in OpenAI's shape;
+#: a longer one is relayed as it came.
+MAX_ERROR_BODY = 65536
+
+
+def openai_error(body: bytes, status: int) -> Optional[bytes]:
+    """A child's error answer in OpenAI's shape, or None when it is already
+    in it (or is not a JSON error object at all: relayed as it is).
+
+    llama-server's errors are ``{"error": {"code": 501, "message": ...,
+    "type": "not_supported_error"}}``: OpenAI's ``code`` is a string, so the
+    number becomes the type's name without ``_error`` (``not_supported``);
+    a missing ``type`` or ``message`` is filled in.  Other fields stay."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(error, dict):
+        return None
+    code, kind, message = error.get("code"), error.get("type"), error.get("message")
+    if (code is None or isinstance(code, str)) and isinstance(kind, str) and isinstance(message, str):
+        return None
+    if not isinstance(kind, str) or not kind:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+    if not isinstance(message, str) or not message:
+        message = f"llama-server answered {status}"
+    if not (code is None or isinstance(code, str)):
+        code = kind[: -len("_error")] if kind.endswith("_error") and kind != "_error" else kind
+    error.update(code=code, type=kind, message=message)
+    return json.dumps(payload).encode("utf-8")
+
+
 def sse_error_event(message: str) -> bytes:
     """The event that ends a stream whose upstream died after it began."""
     body = {"error": {"message": message, "type": "server_error", "code": "upstream_error"}}
@@ -134,11 +167,16 @@ class _Relay(Protocol):
     whole answer then, whatever happens to the connections after it."""
 
     def __init__(self, request: ProxiedRequest, ended: Callable[[bool], None], on_data: Callable[[], None],
-                 watch_done: bool = False) -> None:
+                 watch_done: bool = False, error_status: Optional[int] = None) -> None:
         self._request = request
         self._ended = ended
         self._on_data = on_data
         self.answered = False
+        #: An error answer (``error_status``) is held, up to MAX_ERROR_BODY,
+        #: and written in OpenAI's shape at its end; None: relayed as it comes.
+        self._error_status = error_status
+        self._held: Optional[List[bytes]] = [] if error_status is not None else None
+        self._held_bytes = 0
         #: The last bytes written (a [DONE] split across reads), from a line
         #: start; None when not watching, or once answered.
         self._tail: Optional[bytes] = b"\n" if watch_done else None
@@ -148,6 +186,14 @@ class _Relay(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         self._on_data()
+        held = self._held
+        if held is not None:
+            held.append(data)
+            self._held_bytes += len(data)
+            if self._held_bytes <= MAX_ERROR_BODY:
+                return
+            self._held = None  # too long for an error object: relayed as it came
+            data = b"".join(held)
         self._request.write(data)
         tail = self._tail
         if tail is not None:
@@ -166,7 +212,14 @@ class _Relay(Protocol):
             self._request.unregisterProducer()
         except Exception:
             pass
-        self._ended(isinstance(reason.value, (ResponseDone, PotentialDataLoss)))  # Failure.check, cheaper
+        whole = isinstance(reason.value, (ResponseDone, PotentialDataLoss))  # Failure.check, cheaper
+        held, self._held = self._held, None
+        if held:
+            body = b"".join(held)
+            if whole and self._error_status is not None:
+                body = openai_error(body, self._error_status) or body
+            self._request.write(body)
+        self._ended(whole)
 
 
 class Forward:
@@ -321,13 +374,22 @@ class Forward:
             request.setHeader(b"cache-control", b"no-cache")
         whole = getattr(response, "whole_body", None)  # ChildAgent's answers have it; others deliver
         body = whole() if whole is not None else None
+        error_status = response.code if response.code >= 400 and not self.event_stream else None
         if body is not None:
+            if error_status is not None:
+                shaped = openai_error(body, error_status)
+                if shaped is not None:
+                    body = shaped
+                    request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
             if body:
                 self._on_data()
                 request.write(body)
             self._body_ended(True)
             return
-        self.relay = _Relay(request, self._body_ended, self._on_data, watch_done=self.event_stream)
+        if error_status is not None:
+            request.responseHeaders.removeHeader(b"content-length")  # its length may change
+        self.relay = _Relay(request, self._body_ended, self._on_data, watch_done=self.event_stream,
+                            error_status=error_status)
         response.deliverBody(self.relay)
         if self.idle_timeout is not None and not self.body_ended:
             # Not for an answer that came whole with its head (most non-streamed ones).

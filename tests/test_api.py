@@ -264,7 +264,8 @@ class ProxiedRequestTests(ApiTestCase):
 
         self.h.agent.auto = bad
         answer = self.h.chat({"model": "a"})
-        self.assertEqual((answer.code, answer.body), (400, body))
+        error = self.assertError(answer, 400, "invalid_request")  # llama-server's numeric code, as a string
+        self.assertEqual((error["message"], error["type"]), ("messages required", "invalid_request_error"))
 
     def test_the_log_line_says_where_a_request_went_or_that_it_reached_no_device(self) -> None:
         from twisted.logger import capturedLogs, formatEvent

@@ -601,3 +601,26 @@ class StrictFramingTests(SynchronousTestCase):
             self.assertEqual((error.status, error.code), (502, "upstream_error"), answer)
             self.assertIn("content-length", error.message)
             self.assertEqual(request.written, [], "nothing of the answer reached the client")
+
+    def test_the_proxy_gives_a_childs_whole_error_answer_in_openai_shape(self) -> None:
+        import json
+
+        from twisted.web.test.requesthelper import DummyRequest
+
+        from rolemesh.proxy import COMPLETE, Proxy
+
+        body = (b'{"error":{"code":501,"message":"This server does not support embeddings. Start it with '
+                b'`--embeddings`","type":"not_supported_error"}}')
+        reactor = MemoryReactorClock()
+        proxy = Proxy(reactor=reactor)
+        request = DummyRequest([b""])
+        d = proxy.forward(request, "http://127.0.0.1:20000", "/v1/embeddings", b"{}", False)
+        protocol: Any = reactor.tcpClients[-1][2].buildProtocol(None)
+        protocol.makeConnection(Transport())
+        protocol.dataReceived(b"HTTP/1.1 501 Not Implemented\r\nContent-Type: application/json; charset=utf-8\r\n"
+                              b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        written = b"".join(request.written)
+        self.assertEqual(request.responseCode, 501)
+        self.assertEqual(json.loads(written)["error"]["code"], "not_supported")
+        self.assertEqual(request.responseHeaders.getRawHeaders(b"content-length"), [b"%d" % len(written)])
