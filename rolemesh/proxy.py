@@ -70,10 +70,13 @@ HOP_HEADERS = frozenset(
 #: relayed as it arrives.
 STREAM_COALESCE_S = 0.008
 
-#: What ends an OpenAI stream, as it begins a line (a JSON string holds no raw
-#: newline, so no token's text can look like it).
-_DONE_EVENT = b"\ndata: [DONE]"
-_DONE_TAIL = len(_DONE_EVENT) - 1
+#: How an OpenAI stream's last event ends what the client is sent: ``data:
+#: [DONE]`` on a line of its own and the blank line after it (a JSON string
+#: holds no raw newline, so no token's text can look like it).  The child
+#: writes nothing after it but the chunked body's end, so it is always at the
+#: end of a read: one compare per event, not a search.
+_DONE_END = b"\ndata: [DONE]\n\n"
+_DONE_LEN = len(_DONE_END)
 
 #: The headers of every request to a child (never changed: shared).
 _REQUEST_HEADERS = Headers({b"content-type": [b"application/json"], b"accept": [b"*/*"]})
@@ -177,8 +180,8 @@ class _Relay(Protocol):
         self._error_status = error_status
         self._held: Optional[List[bytes]] = [] if error_status is not None else None
         self._held_bytes = 0
-        #: The last bytes written (a [DONE] split across reads), from a line
-        #: start; None when not watching, or once answered.
+        #: The last bytes written (for a [DONE] split across reads; the
+        #: stream begins at a line start); None when not watching, or once answered.
         self._tail: Optional[bytes] = b"\n" if watch_done else None
 
     def connectionMade(self) -> None:
@@ -197,10 +200,11 @@ class _Relay(Protocol):
         self._request.write(data)
         tail = self._tail
         if tail is not None:
-            if _DONE_EVENT in data or _DONE_EVENT in tail + data[:_DONE_TAIL]:
+            end = data[-_DONE_LEN:] if len(data) >= _DONE_LEN else (tail + data)[-_DONE_LEN:]
+            if end == _DONE_END:
                 self.answered, self._tail = True, None
             else:
-                self._tail = data[-_DONE_TAIL:] if len(data) >= _DONE_TAIL else (tail + data)[-_DONE_TAIL:]
+                self._tail = end
 
     def abort(self) -> None:
         """Close the upstream connection (the client went away, or a deadline passed)."""
