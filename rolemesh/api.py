@@ -57,6 +57,10 @@ PROXIED_ROUTES = (("chat/completions", "/v1/chat/completions"), ("completions", 
 OPEN_ROUTES = frozenset({b"/health", b"/ready"})
 #: The request log line (its fields are JSON keys with ``log_format: json``).
 REQUEST_LOG_FORMAT = "POST /v1/{endpoint} {model} -> {status} on {device} in {duration_ms:.1f} ms"
+#: ... of a request that never reached a device (refused, or ended while it waited
+#: for one), and of one whose model is not known either; the fields are the same.
+UNPLACED_LOG_FORMAT = "POST /v1/{endpoint} {model} -> {status} on no device in {duration_ms:.1f} ms"
+UNRESOLVED_LOG_FORMAT = "POST /v1/{endpoint} -> {status} on no device in {duration_ms:.1f} ms"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _CREATED = int(time.time())
 
@@ -577,7 +581,9 @@ class NodeAPI:
         """The request log line (``log.info``'s event, built here once) and
         the ``request`` event."""
         duration = ended - record.started
-        emit(log, LogLevel.info, REQUEST_LOG_FORMAT, {
+        form = (REQUEST_LOG_FORMAT if record.device is not None
+                else UNPLACED_LOG_FORMAT if record.model is not None else UNRESOLVED_LOG_FORMAT)
+        emit(log, LogLevel.info, form, {
             "duration_ms": duration * 1000, "endpoint": record.endpoint, "model": record.model,
             "status": record.status, "duration": duration, "ttfb": record.ttfb, "device": record.device,
             "request_id": record.request_id})

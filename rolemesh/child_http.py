@@ -20,6 +20,14 @@ the downstream's push producer.  :class:`ChildAgent` does that as an
   on a connection the child closed meanwhile, is retried by the proxy on a
   fresh connection, once).
 
+It reads strictly (RFC 9110, 9112): CRLF lines of token names and text
+values, one Content-Length of digits (repeated only as the same number), a
+Transfer-Encoding of ``chunked`` alone and never with a length, chunk sizes
+of hex digits; anything else fails the answer (the proxy's 502
+upstream_error).  A HEAD answer has no body.  A connection goes back to the
+pool only once the whole answer was read and the whole request written: a
+child that answered early must not read the next request as this one's rest.
+
 Failures look like ``Agent``'s, which the proxy classifies:
 ``ResponseNeverReceived`` when the connection closed before any byte of an
 answer, ``ResponseFailed`` when it closed mid-answer, the endpoint's
@@ -30,6 +38,7 @@ by the close) or ``ResponseFailed``.
 
 from __future__ import annotations
 
+import re
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 from twisted.internet.abstract import isIPAddress, isIPv6Address
@@ -45,7 +54,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer, IResponse
 from zope.interface import implementer
 
 from rolemesh.interfaces import IHTTPClientReactor
-from rolemesh.twisted_compat import write_now
+from rolemesh.twisted_compat import write_now, write_pending
 
 #: The most bytes of status line and headers accepted.
 MAX_HEAD = 65536
@@ -57,6 +66,18 @@ COALESCE_BELOW = 8192
 MIN_HOLD_S = 0.0005
 #: Bytes that mark the last events of a llama-server stream.
 _LAST_EVENT = (b'"finish_reason":"', b'"finish_reason": "', b"data: [DONE]")
+#: The header lines of a response head, each after its CRLF: a token, a
+#: colon, a value of visible bytes, spaces and tabs (RFC 9110 §5.1, §5.5; no
+#: obs-fold, no space before the colon, no bare CR or LF, no NUL or other
+#: control byte).  One match for all of them: per-line checks cost as much
+#: as the rest of the head's parsing.
+_HEADER_LINES = re.compile(rb"(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*)*")
+#: A byte that is not in a status line's reason phrase.
+_NOT_TEXT = re.compile(rb"[^\t\x20-\x7e\x80-\xff]")
+#: A Content-Length: 1*DIGIT (RFC 9110 §8.6; not ``int()``'s ``+5``, `` 5``, ``5_0``).
+_DIGITS = re.compile(rb"[0-9]{1,18}")
+#: A chunk size: 1*HEXDIG (RFC 9112 §7.1; not ``int(x, 16)``'s ``0x10``, ``1_0``, ``-1``).
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
 
 _IDLE, _WAITING, _BODY, _CLOSED = range(4)
 # Body framings.
@@ -98,23 +119,61 @@ class RawHeaders:
 
 
 def parse_head(head: bytes) -> Tuple[bytes, int, bytes, Dict[bytes, List[bytes]]]:
-    """``(version, code, phrase, headers)`` of a response head (no final blank line)."""
+    """``(version, code, phrase, headers)`` of a response head (no final blank line).
+
+    Strict (RFC 9112): lines end with CRLF, no control byte but HTAB, header
+    names are tokens (no space before the colon, no obs-fold); anything else
+    is a :class:`BadResponse`."""
+    first = head.find(b"\r\n")
+    status_line = head if first < 0 else head[:first]
+    status = status_line.split(b" ", 2)
+    if (len(status) < 2 or status[0] not in (b"HTTP/1.1", b"HTTP/1.0") or len(status[1]) != 3
+            or not status[1].isdigit() or _NOT_TEXT.search(status_line) is not None):
+        raise BadResponse(f"bad status line {status_line[:80]!r}")
+    if first >= 0 and _HEADER_LINES.fullmatch(head, first) is None:
+        good = _HEADER_LINES.match(head, first)  # matches at least the empty string
+        raise BadResponse(f"bad header line at {head[good.end() if good else first:][:80]!r}")
     lines = head.split(b"\r\n")
-    status = lines[0].split(b" ", 2)
-    if len(status) < 2 or not status[0].startswith(b"HTTP/1.") or len(status[1]) != 3 or not status[1].isdigit():
-        raise BadResponse(f"bad status line {lines[0][:80]!r}")
     headers: Dict[bytes, List[bytes]] = {}
     for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip():
-            raise BadResponse(f"bad header line {line[:80]!r}")
+        name, _, value = line.partition(b":")
         key = name.lower()
+        value = value.strip(b" \t")
         values = headers.get(key)
         if values is None:
-            headers[key] = [value.strip()]
+            headers[key] = [value]
         else:
-            values.append(value.strip())
+            values.append(value)
     return status[0], int(status[1]), status[2] if len(status) > 2 else b"", headers
+
+
+def content_length(values: List[bytes]) -> int:
+    """The one length a response's Content-Length fields give: each 1*DIGIT,
+    repeated (as fields or a list) only as the same number (RFC 9110 §8.6);
+    else :class:`BadResponse` (RFC 9112 §6.3: an invalid length is an
+    unrecoverable framing error)."""
+    if len(values) == 1 and _DIGITS.fullmatch(values[0]) is not None:  # every llama-server answer
+        return int(values[0])
+    lengths = set()
+    for value in values:
+        for part in value.split(b","):
+            part = part.strip(b" \t")
+            if _DIGITS.fullmatch(part) is None:
+                raise BadResponse(f"bad content-length {b', '.join(values)[:80]!r}")
+            lengths.add(int(part))
+    if len(lengths) != 1:
+        raise BadResponse(f"conflicting content-lengths {b', '.join(values)[:80]!r}")
+    return lengths.pop()
+
+
+def chunk_size(line: bytes) -> int:
+    """The size a chunk-size line gives (``1*HEXDIG [ chunk-ext ]``); else :class:`BadResponse`."""
+    size, sep, _ = line.partition(b";")
+    if sep:
+        size = size.rstrip(b" \t")  # BWS before a chunk extension
+    if _HEX.fullmatch(size) is None:
+        raise BadResponse(f"bad chunk size {line[:40]!r}")
+    return int(size, 16)
 
 
 @implementer(IPushProducer)
@@ -189,14 +248,16 @@ class ChildConnection(Protocol):
         self._body_began = 0.0
         self._reading_paused = False  # the socket's state: paused if either of the two
         self._lost: List[Deferred] = []
+        self._head_request = False  # the request is a HEAD: its answer has no body
 
     # -- the pool's side ------------------------------------------------------------------
 
-    def send(self, data: bytes, result: Deferred, keep_alive: bool) -> None:
+    def send(self, data: bytes, result: Deferred, keep_alive: bool, head: bool = False) -> None:
         self._state = _WAITING
         self._buf = b""
         self._result = result
         self._keep_alive = keep_alive
+        self._head_request = head
         self._body = None
         self._pending = []
         self._ended = None
@@ -295,23 +356,31 @@ class ChildConnection(Protocol):
             connection and any(v.lower() == b"close" for v in connection))
         length: Union[int, str] = UNKNOWN_LENGTH  # Twisted's marker is a str
         te = headers.get(b"transfer-encoding")
-        if code in (204, 304):
+        sized = headers.get(b"content-length")
+        try:
+            if te is not None:
+                # Only chunked, and never with a length too (RFC 9112 §6.1, §6.3:
+                # what a smuggling or response-splitting attempt looks like).
+                if not (len(te) == 1 and te[0].lower() == b"chunked") and [
+                        c.strip(b" \t").lower() for v in te for c in v.split(b",")] != [b"chunked"]:
+                    raise BadResponse(f"unsupported transfer-encoding {b', '.join(te)[:80]!r}")
+                if sized is not None:
+                    raise BadResponse("both transfer-encoding and content-length")
+            elif sized is not None:
+                length = content_length(sized)
+        except BadResponse as e:
+            self._fail_head(e)
+            return
+        if code in (204, 304) or self._head_request:  # no body, whatever the head says (RFC 9112 §6.3)
             self._framing, length = _NONE, 0
-        elif te and te[-1].lower() == b"chunked":
+        elif te is not None:
             # llama-server closes its side after every streamed answer, though
             # it says keep-alive: such a connection is closed, not pooled, so
             # no request is sent on it while it closes (a retry).
             self._framing, self._chunk_state, keep = _CHUNKED, _SIZE, False
             self._body_began = self._pool._reactor.seconds()
-        elif b"content-length" in headers:
-            try:
-                length = int(headers[b"content-length"][0])
-                if length < 0:
-                    raise ValueError(length)
-            except ValueError:
-                self._fail_head(BadResponse("bad content-length"))
-                return
-            self._framing, self._left = _LENGTH, length
+        elif sized is not None:
+            self._framing, self._left = _LENGTH, length  # type: ignore[assignment]  # an int here
         else:
             self._framing, keep = _UNTIL_CLOSE, False
         self._reusable = keep
@@ -374,11 +443,9 @@ class ChildConnection(Protocol):
                 pos = end + 2
                 if state == _SIZE:
                     try:
-                        left = int(line.split(b";", 1)[0], 16)
-                    except ValueError:
-                        left = -1
-                    if left < 0:
-                        self._body_failed(BadResponse("bad chunk size"))
+                        left = chunk_size(line)
+                    except BadResponse as e:
+                        self._body_failed(e)
                         return
                     state = _DATA if left else _TRAILER
                 elif state == _DATA_END:
@@ -415,6 +482,12 @@ class ChildConnection(Protocol):
     def _body_done(self, reason: Failure) -> None:
         if self._state != _BODY:
             return
+        # The whole answer is in; the whole request must be out too before the
+        # connection carries another (a child that answered early, before
+        # reading all of it, would read the next request as its rest).
+        unsent = self.transport is not None and write_pending(self.transport)  # type: ignore[arg-type]
+        if unsent:
+            self._reusable = False
         self._state = _IDLE if self._reusable else _CLOSED
         self._buf = b""
         self._unhold()
@@ -426,7 +499,10 @@ class ChildConnection(Protocol):
             self._reading()  # a pooled connection is never left paused
             self._pool._put(self._key, self)
         elif isinstance(reason.value, ResponseDone) and self.transport is not None:  # Failure.check, cheaper
-            self.transport.loseConnection()  # type: ignore[union-attr]
+            if unsent:  # what is left of the request is of no use now
+                self.transport.abortConnection()  # type: ignore[attr-defined]
+            else:
+                self.transport.loseConnection()  # type: ignore[union-attr]
         if self._body is not None:
             body, self._body = self._body, None
             body.connectionLost(reason)
@@ -582,6 +658,7 @@ class ChildAgent:
             parts.append(b"Content-Length: %d\r\n" % len(body))
         parts += [b"\r\n", body]
         data = b"".join(parts)
+        head = parts[0] == b"HEAD"
         attempt = _Attempt()
         result: Deferred = Deferred(attempt.cancel)
         idle = self._idle.get(key)
@@ -589,7 +666,7 @@ class ChildAgent:
             conn = idle.pop()
             if conn._state == _IDLE and conn.transport is not None:
                 attempt.conn = conn
-                conn.send(data, result, self.persistent)
+                conn.send(data, result, self.persistent, head)
                 return result
 
         def connected(conn: ChildConnection) -> None:
@@ -599,7 +676,7 @@ class ChildAgent:
                 return
             attempt.conn = conn
             self._open[conn] = None
-            conn.send(data, result, self.persistent)
+            conn.send(data, result, self.persistent, head)
 
         def failed(failure: Failure) -> None:
             attempt.connecting = None

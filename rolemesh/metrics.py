@@ -206,7 +206,20 @@ class NodeMetrics:
         config = self.node.config
         if self._models_of is not config:
             self._models_of, self._model_ids = config, frozenset(m.model_id for m in config.models)
+            self._precreate()
         return self._model_ids
+
+    def _precreate(self) -> None:
+        """Every per-model and per-(device, model) counter exists at 0 for
+        each configured model (and device) from the start, and for a model a
+        reload adds from then on: ``rate()`` and ``increase()`` work from the
+        first scrape.  (The supervisors' counters are built at scrape time
+        over the same pairs.)"""
+        for model_id in sorted(self._model_ids):
+            self.queue_full.labels(model=model_id)
+            self.queue_timeouts.labels(model=model_id)
+            for device_name in self.node.supervisors:
+                self.idle_unloads.labels(device=device_name, model=model_id)
 
     def __init__(self, node: Node, root: Optional[NodeAgentService] = None) -> None:
         self.node = node
@@ -292,8 +305,7 @@ class NodeMetrics:
             QUEUE_WAIT_BUCKETS,
         )
         self.registry.register(self.queue_wait)
-        for model_id in sorted(self._models):
-            self.queue_full.labels(model=model_id)
+        self._models  # noqa: B018 - worked out here once: pre-creates the per-model counters
         for device_name in self.node.supervisors:
             self.queue_wait.labels((device_name,))
 
@@ -301,6 +313,7 @@ class NodeMetrics:
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format."""
+        self._models  # noqa: B018 - a reload's new models get their counters before the scrape
         return generate_latest(self.registry)
 
     # -- input -------------------------------------------------------------------

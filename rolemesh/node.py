@@ -50,6 +50,9 @@ class Lease:
     supervisor: DeviceSupervisor
     _release: Callable[["Lease"], None]
     released: bool = False
+    #: The model record the request was admitted for (the child serves it):
+    #: a retry goes to a child of this record, not of a reloaded one.
+    model: Optional[ModelConfig] = None
 
     @property
     def device(self) -> str:
@@ -311,7 +314,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         endpoint = supervisor.serving(model)
         assert endpoint is not None  # ready() said so, a moment ago
         self._started(supervisor.name, model, 0.0)
-        return Lease(ticket, endpoint, supervisor, self._release)
+        return Lease(ticket, endpoint, supervisor, self._release, model=model)
 
     def _started(self, device: str, model: ModelConfig, waited: float) -> None:
         """A request begins on ``device``: its idle timers stop, its queue wait is observed."""
@@ -505,7 +508,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         if not ticket.evict:
             endpoint = supervisor.serving(request.model)
             if endpoint is not None:  # nearly every request: the child is ready, no Deferred to wait on
-                lease = Lease(ticket, endpoint, supervisor, self._release)
+                lease = Lease(ticket, endpoint, supervisor, self._release, model=request.model)
                 if request.result.called:  # cancelled meanwhile
                     lease.release()
                 else:
@@ -520,7 +523,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         request.loading = evicting.addBoth(load) if evicting is not None else supervisor.ensure(request.model)
 
         def ready(endpoint: ChildEndpoint) -> None:
-            lease = Lease(ticket, endpoint, supervisor, self._release)
+            lease = Lease(ticket, endpoint, supervisor, self._release, model=request.model)
             if request.result.called:  # cancelled meanwhile
                 lease.release()
             else:
@@ -566,10 +569,26 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         """The child gave no answer at all (refused, or dropped before a
         byte): once it is checked (and replaced if it fails), where to send the
         request once more.  Inference has no side effects, so one retry is
-        safe; a request that itself crashes the child costs a second crash."""
-        model = self.config.model(lease.endpoint.model_id)
+        safe; a request that itself crashes the child costs a second crash.
+
+        The retry asks for the lease's own model record (the one the request
+        was admitted for), never the reloaded config's: a reload that changed
+        the model's command line must not turn the retry into a switch that
+        stops the child under the other requests it serves.  A model a reload
+        removed is not started again: 503."""
+        from rolemesh.reload import needs_new_child
+
+        own = lease.model if lease.model is not None else lease.supervisor.model
+        model_id = lease.endpoint.model_id
+        if own is None or not any(m.model_id == model_id for m in self.config.models):
+            return defer.fail(errors.ApiError(
+                503, f"model {model_id!r} was removed from the configuration by a reload while the request ran; "
+                     "its child gave no answer and it is not started again", "server_error", "model_removed"))
+        held = lease.supervisor.model
+        if held is not None and held is not own and held.model_id == model_id and not needs_new_child(own, held):
+            own = held  # the same command line under a newer record (a reload changed roles, say)
         d = self.check_child(lease, "a refused connection")
-        return d.addCallback(lambda _: lease.supervisor.ensure(model))
+        return d.addCallback(lambda _: lease.supervisor.ensure(own))
 
     def _device_quiet(self, device: str) -> None:
         if self._drained and self._all_idle():

@@ -12,12 +12,23 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from rolemesh.config import NodeConfig
+from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
+from rolemesh.llama_args import build_argv
 from rolemesh.supervisor import DeviceState
 
 #: The OpenAI-compatible endpoints the node proxies, plus SSE streaming.
 CAPABILITIES = ("chat.completions", "completions", "embeddings", "streaming")
+#: The spellings of llama-server's flag that turns ``/v1/embeddings`` on
+#: (without it, llama-server answers 501; chat and completions work either way).
+EMBEDDINGS_FLAGS = frozenset({"--embeddings", "--embedding"})
+
+
+def model_capabilities(model: ModelConfig) -> List[str]:
+    """What the model's child serves, from the command line it is started
+    with: ``embeddings`` only when that has ``--embeddings``."""
+    served = EMBEDDINGS_FLAGS.intersection(build_argv("llama-server", model, 0))
+    return [c for c in CAPABILITIES if c != "embeddings" or served]
 
 #: Child states a heartbeat may report for a device: the supervisor's.
 DEVICE_STATES = tuple(state.value for state in DeviceState)
@@ -44,6 +55,7 @@ def registration_payload(
     estimate's total bytes, the devices or group it may use and those that can
     hold it, so a dispatcher can place models across nodes.
     """
+    served = {m.model_id: model_capabilities(m) for m in config.models}
     return {
         "node_id": config.node_id,
         "advertise_url": config.advertise_url,
@@ -55,11 +67,13 @@ def registration_payload(
                 "model_id": m.model_id,
                 "alias": m.alias,
                 "roles": list(dict.fromkeys(m.roles)),
+                "capabilities": served[m.model_id],
                 **_placement(memory.get(m.model_id) if memory else None),
             }
             for m in config.models
         ],
-        "capabilities": list(CAPABILITIES),
+        # What some model serves (embeddings: a model started with --embeddings).
+        "capabilities": [c for c in CAPABILITIES if any(c in caps for caps in served.values())],
         "max_pending_requests_per_device": config.max_pending_requests_per_device,
     }
 

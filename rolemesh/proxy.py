@@ -16,7 +16,7 @@ fails on a stale pooled connection before any byte was sent is retried once.
 from __future__ import annotations
 
 import json
-from typing import Callable, Optional, Union
+from typing import Callable, List, Optional, Union
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
@@ -70,6 +70,14 @@ HOP_HEADERS = frozenset(
 #: relayed as it arrives.
 STREAM_COALESCE_S = 0.008
 
+#: How an OpenAI stream's last event ends what the client is sent: ``data:
+#: [DONE]`` on a line of its own and the blank line after it (a JSON string
+#: holds no raw newline, so no token's text can look like it).  The child
+#: writes nothing after it but the chunked body's end, so it is always at the
+#: end of a read: one compare per event, not a search.
+_DONE_END = b"\ndata: [DONE]\n\n"
+_DONE_LEN = len(_DONE_END)
+
 #: The headers of every request to a child (never changed: shared).
 _REQUEST_HEADERS = Headers({b"content-type": [b"application/json"], b"accept": [b"*/*"]})
 
@@ -114,6 +122,39 @@ def _never_sent(failure: Failure) -> bool:
     return never_sent(failure)
 
 
+#: The most bytes of a child's error answer held to put it in OpenAI's shape;
+#: a longer one is relayed as it came.
+MAX_ERROR_BODY = 65536
+
+
+def openai_error(body: bytes, status: int) -> Optional[bytes]:
+    """A child's error answer in OpenAI's shape, or None when it is already
+    in it (or is not a JSON error object at all: relayed as it is).
+
+    llama-server's errors are ``{"error": {"code": 501, "message": ...,
+    "type": "not_supported_error"}}``: OpenAI's ``code`` is a string, so the
+    number becomes the type's name without ``_error`` (``not_supported``);
+    a missing ``type`` or ``message`` is filled in.  Other fields stay."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(error, dict):
+        return None
+    code, kind, message = error.get("code"), error.get("type"), error.get("message")
+    if (code is None or isinstance(code, str)) and isinstance(kind, str) and isinstance(message, str):
+        return None
+    if not isinstance(kind, str) or not kind:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+    if not isinstance(message, str) or not message:
+        message = f"llama-server answered {status}"
+    if not (code is None or isinstance(code, str)):
+        code = kind[: -len("_error")] if kind.endswith("_error") and kind != "_error" else kind
+    error.update(code=code, type=kind, message=message)
+    return json.dumps(payload).encode("utf-8")
+
+
 def sse_error_event(message: str) -> bytes:
     """The event that ends a stream whose upstream died after it began."""
     body = {"error": {"message": message, "type": "server_error", "code": "upstream_error"}}
@@ -122,19 +163,48 @@ def sse_error_event(message: str) -> bytes:
 
 class _Relay(Protocol):
     """Copies an upstream body to the downstream request as it arrives;
-    tells ``ended(whole)`` how the body ended."""
+    tells ``ended(whole)`` how the body ended.
 
-    def __init__(self, request: ProxiedRequest, ended: Callable[[bool], None], on_data: Callable[[], None]) -> None:
+    ``watch_done`` (an event stream): ``answered`` turns True once the
+    stream's ``data: [DONE]`` was written to the client -- the client has its
+    whole answer then, whatever happens to the connections after it."""
+
+    def __init__(self, request: ProxiedRequest, ended: Callable[[bool], None], on_data: Callable[[], None],
+                 watch_done: bool = False, error_status: Optional[int] = None) -> None:
         self._request = request
         self._ended = ended
         self._on_data = on_data
+        self.answered = False
+        #: An error answer (``error_status``) is held, up to MAX_ERROR_BODY,
+        #: and written in OpenAI's shape at its end; None: relayed as it comes.
+        self._error_status = error_status
+        self._held: Optional[List[bytes]] = [] if error_status is not None else None
+        self._held_bytes = 0
+        #: The last bytes written (for a [DONE] split across reads; the
+        #: stream begins at a line start); None when not watching, or once answered.
+        self._tail: Optional[bytes] = b"\n" if watch_done else None
 
     def connectionMade(self) -> None:
         self._request.registerProducer(self.transport, True)  # type: ignore[arg-type]  # a TransportProxyProducer
 
     def dataReceived(self, data: bytes) -> None:
         self._on_data()
+        held = self._held
+        if held is not None:
+            held.append(data)
+            self._held_bytes += len(data)
+            if self._held_bytes <= MAX_ERROR_BODY:
+                return
+            self._held = None  # too long for an error object: relayed as it came
+            data = b"".join(held)
         self._request.write(data)
+        tail = self._tail
+        if tail is not None:
+            end = data[-_DONE_LEN:] if len(data) >= _DONE_LEN else (tail + data)[-_DONE_LEN:]
+            if end == _DONE_END:
+                self.answered, self._tail = True, None
+            else:
+                self._tail = end
 
     def abort(self) -> None:
         """Close the upstream connection (the client went away, or a deadline passed)."""
@@ -146,7 +216,14 @@ class _Relay(Protocol):
             self._request.unregisterProducer()
         except Exception:
             pass
-        self._ended(isinstance(reason.value, (ResponseDone, PotentialDataLoss)))  # Failure.check, cheaper
+        whole = isinstance(reason.value, (ResponseDone, PotentialDataLoss))  # Failure.check, cheaper
+        held, self._held = self._held, None
+        if held:
+            body = b"".join(held)
+            if whole and self._error_status is not None:
+                body = openai_error(body, self._error_status) or body
+            self._request.write(body)
+        self._ended(whole)
 
 
 class Forward:
@@ -193,15 +270,27 @@ class Forward:
             self.done = True
             self._ended(outcome)
 
+    @property
+    def answered(self) -> bool:
+        """The client has its whole answer: a stream's ``data: [DONE]`` was
+        written to it (only the chunked body's end may be missing)."""
+        return self.relay is not None and self.relay.answered
+
     def cancel(self) -> None:
         """The client went away: close the upstream connection (llama-server
         stops generating); ends as CLIENT_GONE, or with CancelledError if the
-        connection is still closing."""
+        connection is still closing -- or as COMPLETE once the client had its
+        whole answer (the openai SDK closes right after ``[DONE]``, without
+        reading the end of the chunked body)."""
         if self.done:
             return
         self.cancelled = True
         self._abort_upstream()
-        self._end(Failure(defer.CancelledError()))
+        if self.answered:
+            self._stop_timers()
+            self._end(COMPLETE)
+        else:
+            self._end(Failure(defer.CancelledError()))
 
     def _send(self, fresh: bool) -> None:
         """Send the request: on a pooled connection, or (``fresh``) on one of
@@ -289,13 +378,22 @@ class Forward:
             request.setHeader(b"cache-control", b"no-cache")
         whole = getattr(response, "whole_body", None)  # ChildAgent's answers have it; others deliver
         body = whole() if whole is not None else None
+        error_status = response.code if response.code >= 400 and not self.event_stream else None
         if body is not None:
+            if error_status is not None:
+                shaped = openai_error(body, error_status)
+                if shaped is not None:
+                    body = shaped
+                    request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
             if body:
                 self._on_data()
                 request.write(body)
             self._body_ended(True)
             return
-        self.relay = _Relay(request, self._body_ended, self._on_data)
+        if error_status is not None:
+            request.responseHeaders.removeHeader(b"content-length")  # its length may change
+        self.relay = _Relay(request, self._body_ended, self._on_data, watch_done=self.event_stream,
+                            error_status=error_status)
         response.deliverBody(self.relay)
         if self.idle_timeout is not None and not self.body_ended:
             # Not for an answer that came whole with its head (most non-streamed ones).
@@ -304,7 +402,7 @@ class Forward:
     def _relayed(self, whole: bool) -> None:
         if self.done:
             return
-        if whole:
+        if whole or self.answered:  # after [DONE] the client needs nothing more of the child
             self._end(COMPLETE)
         elif self.proxy._client_gone(self.request):
             self._end(CLIENT_GONE)

@@ -99,6 +99,17 @@ def write_now(transport: ITransport, data: bytes) -> None:
 _PLAIN_TCP = frozenset({tcp.Server, tcp.Client})
 
 
+def write_pending(transport: ITransport) -> bool:
+    """True while bytes written to ``transport`` still wait in Twisted's own
+    buffer (``dataBuffer`` past ``offset``, ``_tempDataBuffer``: what
+    :func:`write_now` checks), not yet handed to the kernel.  A kept-alive
+    client connection whose request is not all out must not carry the next
+    request: the server would read it as the rest of this one.  A transport
+    without that buffer has nothing pending."""
+    data = getattr(transport, "dataBuffer", b"")
+    return len(data) > getattr(transport, "offset", 0) or bool(getattr(transport, "_tempDataBuffer", None))
+
+
 try:
     from twisted.internet.epollreactor import EPollReactor as _EPollReactor
 except ImportError:  # no epoll (not Linux)

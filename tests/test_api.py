@@ -11,6 +11,7 @@ from twisted.internet import defer
 from twisted.internet.error import ConnectionRefusedError
 from twisted.trial.unittest import SynchronousTestCase
 
+from rolemesh import errors
 from rolemesh.api import MAX_LOG_TAIL, MAX_MODEL_NAME, RECORD_DELAY_S, NodeAPI, parse_body
 from rolemesh.errors import ApiError
 from rolemesh.listener import GuardedSite
@@ -263,7 +264,32 @@ class ProxiedRequestTests(ApiTestCase):
 
         self.h.agent.auto = bad
         answer = self.h.chat({"model": "a"})
-        self.assertEqual((answer.code, answer.body), (400, body))
+        error = self.assertError(answer, 400, "invalid_request")  # llama-server's numeric code, as a string
+        self.assertEqual((error["message"], error["type"]), ("messages required", "invalid_request_error"))
+
+    def test_the_log_line_says_where_a_request_went_or_that_it_reached_no_device(self) -> None:
+        from twisted.logger import capturedLogs, formatEvent
+
+        self.loaded("a")
+        with capturedLogs() as events:
+            self.assertEqual(self.h.chat({"model": "a", **CHAT}).code, 200)
+            self.assertError(self.h.chat({"model": "nope", **CHAT}), 404)
+            self.h.node.draining = True
+            self.assertError(self.h.chat({"model": "a", **CHAT}), 503)
+            self.h.node.draining = False
+            self.patch(self.h.node, "lease_now", lambda model: None)
+            self.patch(self.h.node, "acquire", lambda model: defer.fail(errors.queue_timeout("device gpu:0", 30)))
+            self.assertError(self.h.chat({"model": "a", **CHAT}), 503, "queue_timeout")
+            self.h.observed  # noqa: B018 - the records are written a moment after the answers
+        lines = [formatEvent(e) for e in events if e.get("log_namespace") == "rolemesh.api"]
+        self.assertEqual(len(lines), 4, lines)
+        self.assertRegex(lines[0], r"^POST /v1/chat/completions a -> 200 on gpu:0 in [0-9.]+ ms$")
+        self.assertRegex(lines[1], r"^POST /v1/chat/completions -> 404 on no device in [0-9.]+ ms$")
+        self.assertRegex(lines[2], r"^POST /v1/chat/completions -> 503 on no device in [0-9.]+ ms$")
+        self.assertRegex(lines[3], r"^POST /v1/chat/completions a -> 503 on no device in [0-9.]+ ms$")
+        self.assertNotIn("None", "".join(lines))
+        self.assertEqual([e["device"] for e in events if e.get("log_namespace") == "rolemesh.api"],
+                         ["gpu:0", None, None, None], "the device field stays null (log_format: json)")
 
     def test_client_disconnect_frees_the_device_quietly(self) -> None:
         h = ApiHarness(auto=False)

@@ -472,3 +472,155 @@ class ParseHeadTests(SynchronousTestCase):
             parse_head(junk)
         except BadResponse:
             pass
+
+
+class StrictFramingTests(SynchronousTestCase):
+    """Raw answers a strict HTTP/1.1 client refuses (RFC 9110 §8.6, RFC 9112
+    §6, §7.1): ``int()`` alone took ``+5`` and ``5_0`` as a length and ``0x10``
+    as a chunk size; the proxy answers such a child with 502 upstream_error."""
+
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.agent = ChildAgent(self.reactor, persistent=True, max_per_host=2)
+
+    def exchange(self, answer: bytes, method: bytes = b"POST") -> Tuple[defer.Deferred, Transport]:
+        d = self.agent.request(method, URL, HEADERS, BytesProducer(b"{}"))
+        _, _, factory, _, _ = self.reactor.tcpClients[-1]
+        protocol: Any = factory.buildProtocol(None)
+        transport = Transport()
+        protocol.makeConnection(transport)
+        protocol.dataReceived(answer)
+        return d, transport
+
+    def assertRefused(self, answer: bytes) -> None:
+        d, transport = self.exchange(answer)
+        failure = self.failureResultOf(d, ResponseFailed)
+        self.assertTrue(failure.value.reasons[0].check(BadResponse), answer)
+        self.assertEqual(transport.aborted, 1, answer)
+        self.assertEqual(self.agent._idle, {}, "never pooled")
+
+    def test_a_content_length_is_digits_only(self) -> None:
+        for value in (b"+5", b"5_0", b"5 0", b"0x5", b"-1", b"", b"5a", b"\xd9\xa5",
+                      b"99999999999999999999999"):
+            self.assertRefused(b"HTTP/1.1 200 OK\r\nContent-Length: " + value + b"\r\n\r\nhello")
+
+    def test_content_lengths_that_differ_are_refused(self) -> None:
+        self.assertRefused(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!")
+        self.assertRefused(b"HTTP/1.1 200 OK\r\nContent-Length: 5, 6\r\n\r\nhello!")
+        self.assertRefused(b"HTTP/1.1 200 OK\r\nContent-Length: 5,\r\n\r\nhello")
+
+    def test_the_same_content_length_twice_is_one_length(self) -> None:
+        for head in (b"Content-Length: 5\r\nContent-Length: 5", b"Content-Length: 5, 5"):
+            self.agent = ChildAgent(self.reactor)  # a connection of its own each time
+            d, _ = self.exchange(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n\r\nhello")
+            response = self.successResultOf(d)
+            self.assertEqual((response.length, response.whole_body()), (5, b"hello"))
+
+    def test_transfer_encoding_is_chunked_alone(self) -> None:
+        self.assertRefused(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n"
+                           b"3\r\nabc\r\n0\r\n\r\n")
+        self.assertRefused(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n")
+        self.assertRefused(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\nContent-Length: 3\r\n\r\nabc")
+        d, _ = self.exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+        self.assertEqual(self.successResultOf(d).whole_body(), b"abc", "the coding's name is case-insensitive")
+
+    def test_a_head_is_crlf_lines_of_tokens(self) -> None:
+        for head in (b"X-A: 1\nContent-Length: 0", b"X-A: 1\rContent-Length: 0", b"X-A: a\x00b",
+                     b"Content-Length: \x0b5", b"Content Length: 0", b"X@Y: 1", b"X-A : 1",
+                     b"X-A: 1\r\n folded", b"X-A\x7f: 1"):
+            self.assertRefused(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n\r\n")
+        self.assertRefused(b"HTTP/1.10 200 OK\r\nContent-Length: 0\r\n\r\n")
+
+    def test_a_chunk_size_is_hex_digits_only(self) -> None:
+        for size in (b"0x5", b"1_0", b"+5", b"-5", b" 5", b"5 ", b"", b"5g", b"1" * 16):
+            d, transport = self.exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                         + size + b"\r\nhello\r\n0\r\n\r\n")
+            body = Body()
+            self.successResultOf(d).deliverBody(body)
+            assert body.reason is not None, size
+            self.assertTrue(body.reason.check(ResponseFailed), size)
+            self.assertTrue(body.reason.value.reasons[0].check(BadResponse), size)
+            self.assertEqual((body.data, transport.aborted), (b"", 1), size)
+
+    def test_chunk_sizes_any_case_and_extensions(self) -> None:
+        d, _ = self.exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"a\r\n0123456789\r\nA ;ext=1\r\n0123456789\r\n0;last\r\n\r\n")
+        self.assertEqual(self.successResultOf(d).whole_body(), b"0123456789" * 2)
+
+    def test_a_head_answer_has_no_body(self) -> None:
+        d, transport = self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n", method=b"HEAD")
+        response = self.successResultOf(d)
+        self.assertEqual(response.whole_body(), b"", "not waiting for 1000 bytes that never come")
+        self.assertIn(b"content-length", dict(response.headers.getAllRawHeaders()))
+        self.assertEqual(len(self.agent._idle[("127.0.0.1", 20000)]), 1, "pooled: the answer is complete")
+        self.assertTrue(transport.value().startswith(b"HEAD /v1/chat/completions HTTP/1.1\r\n"))
+
+    def test_a_chunked_head_answer_has_no_body_either(self) -> None:
+        d, _ = self.exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", method=b"HEAD")
+        self.assertEqual(self.successResultOf(d).whole_body(), b"")
+
+    def test_not_pooled_while_the_request_is_not_all_out(self) -> None:
+        # A child that answered before reading all of the request (an early
+        # error, say): what is still queued would be read as the start of the
+        # next request on the connection.
+        d = self.agent.request(b"POST", URL, HEADERS, BytesProducer(b"x" * 100))
+        _, _, factory, _, _ = self.reactor.tcpClients[-1]
+        protocol: Any = factory.buildProtocol(None)
+        transport = Transport()
+        transport.dataBuffer = b"the rest of the request"  # what Twisted's TCP transport still holds
+        protocol.makeConnection(transport)
+        protocol.dataReceived(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 2\r\n\r\n{}")
+        self.assertEqual(self.successResultOf(d).whole_body(), b"{}")
+        self.assertEqual(self.agent._idle, {}, "not pooled")
+        self.assertEqual(transport.aborted, 1, "closed: the rest of the request is of no use")
+        self.agent.request(b"POST", URL, HEADERS, BytesProducer(b"{}"))
+        self.assertEqual(len(self.reactor.tcpClients), 2, "the next request gets a connection of its own")
+
+    def test_pooled_once_the_request_is_all_out(self) -> None:
+        d, transport = self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        self.assertEqual(self.successResultOf(d).whole_body(), b"{}")
+        self.assertEqual(len(self.agent._idle[("127.0.0.1", 20000)]), 1)
+        self.assertEqual(transport.aborted, 0)
+
+    def test_the_proxy_answers_a_badly_framed_child_with_502(self) -> None:
+        from twisted.web.test.requesthelper import DummyRequest
+
+        from rolemesh import errors
+        from rolemesh.proxy import Proxy
+
+        for answer in (b"HTTP/1.1 200 OK\r\nContent-Length: +5\r\n\r\nhello",
+                       b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 50\r\n\r\nhello"):
+            reactor = MemoryReactorClock()
+            proxy = Proxy(reactor=reactor)
+            request = DummyRequest([b""])
+            d = proxy.forward(request, "http://127.0.0.1:20000", "/v1/completions", b"{}", False)
+            protocol: Any = reactor.tcpClients[-1][2].buildProtocol(None)
+            protocol.makeConnection(Transport())
+            protocol.dataReceived(answer)
+            error = self.failureResultOf(d, errors.ApiError).value
+            self.assertEqual((error.status, error.code), (502, "upstream_error"), answer)
+            self.assertIn("content-length", error.message)
+            self.assertEqual(request.written, [], "nothing of the answer reached the client")
+
+    def test_the_proxy_gives_a_childs_whole_error_answer_in_openai_shape(self) -> None:
+        import json
+
+        from twisted.web.test.requesthelper import DummyRequest
+
+        from rolemesh.proxy import COMPLETE, Proxy
+
+        body = (b'{"error":{"code":501,"message":"This server does not support embeddings. Start it with '
+                b'`--embeddings`","type":"not_supported_error"}}')
+        reactor = MemoryReactorClock()
+        proxy = Proxy(reactor=reactor)
+        request = DummyRequest([b""])
+        d = proxy.forward(request, "http://127.0.0.1:20000", "/v1/embeddings", b"{}", False)
+        protocol: Any = reactor.tcpClients[-1][2].buildProtocol(None)
+        protocol.makeConnection(Transport())
+        protocol.dataReceived(b"HTTP/1.1 501 Not Implemented\r\nContent-Type: application/json; charset=utf-8\r\n"
+                              b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        written = b"".join(request.written)
+        self.assertEqual(request.responseCode, 501)
+        self.assertEqual(json.loads(written)["error"]["code"], "not_supported")
+        self.assertEqual(request.responseHeaders.getRawHeaders(b"content-length"), [b"%d" % len(written)])

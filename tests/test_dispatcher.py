@@ -46,6 +46,7 @@ from rolemesh.payloads import (
     DEVICE_STATES,
     device_state,
     heartbeat_payload,
+    model_capabilities,
     registration_payload,
 )
 from rolemesh.schemas import load_schema
@@ -68,7 +69,8 @@ CONFIG = NodeConfig(
     api_keys=("client-key-should-not-leak",),
     models=(
         ModelConfig(model_id="qwen-7b", path="/models/qwen.gguf", roles=("chat", "code")),
-        ModelConfig(model_id="nomic-embed", path="/models/nomic.gguf", roles=("embed",), alias="embed"),
+        ModelConfig(model_id="nomic-embed", path="/models/nomic.gguf", roles=("embed",), alias="embed",
+                    server_args=(("embeddings", True), ("pooling", "mean"))),
     ),
 )
 DEVICES = (
@@ -303,12 +305,27 @@ class PayloadTests(SynchronousTestCase):
         self.assertEqual(payload["backend"], "cpu")
         self.assertEqual(payload["devices"], [DEVICES[0].to_json()])
         self.assertEqual(payload["served_models"], [
-            {"model_id": "qwen-7b", "alias": None, "roles": ["chat", "code"]},
-            {"model_id": "nomic-embed", "alias": "embed", "roles": ["embed"]},
+            {"model_id": "qwen-7b", "alias": None, "roles": ["chat", "code"],
+             "capabilities": ["chat.completions", "completions", "streaming"]},
+            {"model_id": "nomic-embed", "alias": "embed", "roles": ["embed"],
+             "capabilities": ["chat.completions", "completions", "embeddings", "streaming"]},
         ])
         self.assertEqual(payload["capabilities"],
                          ["chat.completions", "completions", "embeddings", "streaming"])
         self.assertEqual(tuple(payload["capabilities"]), CAPABILITIES)
+
+    def test_capabilities_follow_the_childs_command_line(self) -> None:
+        # llama-server answers /v1/embeddings with 501 unless started with
+        # --embeddings: a node whose models are not started so does not offer it.
+        chat_only = attr.evolve(CONFIG, models=(CONFIG.models[0],))
+        payload = registration_payload(chat_only, "cpu", DEVICES, "1")
+        REGISTRATION_SCHEMA.validate(payload)
+        self.assertEqual(payload["capabilities"], ["chat.completions", "completions", "streaming"])
+        self.assertNotIn("embeddings", payload["served_models"][0]["capabilities"])
+        spelled = attr.evolve(CONFIG.models[0], server_args=(("embedding", True),))
+        self.assertIn("embeddings", model_capabilities(spelled), "llama-server's other spelling")
+        off = attr.evolve(CONFIG.models[1], server_args=(("embeddings", False),))
+        self.assertNotIn("embeddings", model_capabilities(off))
         self.assertEqual(payload["max_pending_requests_per_device"], 3)
 
     def test_no_secrets_or_paths_in_payloads(self) -> None:

@@ -19,6 +19,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from rolemesh import errors
 from rolemesh.logs import make_observer
 from rolemesh.metrics import ENDPOINTS, NodeMetrics
+from tests.fakes import make_config
 from tests.test_node import NodeHarness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -417,7 +418,42 @@ class NodeEventTests(SynchronousTestCase):
     def test_idle_unload_for_an_unknown_device_is_not_a_label(self) -> None:
         h = Harness(count=1)
         h.metrics.observe("idle_unload", device="gpu:99", model="a")
-        self.assertEqual(samples(h.scrape(), "rolemesh_idle_unloads_total"), [])
+        found = samples(h.scrape(), "rolemesh_idle_unloads_total")
+        self.assertEqual({s.labels["device"] for s in found}, {"gpu:0"})
+        self.assertEqual({s.value for s in found}, {0})
+
+
+class PreCreatedCounterTests(SynchronousTestCase):
+    """docs/operations.md: the per-model and per-(device, model) counters
+    exist at 0 for every configured pair from the start."""
+
+    def documented(self) -> Dict[str, List[str]]:
+        """Counter name -> label names, for the counters labelled by model (and device) alone."""
+        path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "operations.md")
+        with open(path, encoding="utf-8") as f:
+            rows = re.findall(r"^\| `(rolemesh_\w+_total)` \| counter \| ([^|]*) \|", f.read(), re.M)
+        found = {name: re.findall(r"`(\w+)`", labels) for name, labels in rows}
+        return {name: labels for name, labels in found.items() if labels in (["model"], ["device", "model"])}
+
+    def test_every_documented_counter_exists_at_0_for_every_pair_from_the_start(self) -> None:
+        counters = self.documented()
+        self.assertIn("rolemesh_queue_timeouts_total", counters)
+        self.assertIn("rolemesh_idle_unloads_total", counters)
+        h = Harness(count=2)
+        families = h.scrape()
+        for name, labels in counters.items():
+            want = [{"model": m} for m in ("a", "b")] if labels == ["model"] else [
+                {"device": d, "model": m} for d in ("gpu:0", "gpu:1") for m in ("a", "b")]
+            for labelset in want:
+                self.assertEqual(value(families, name, **labelset), 0, (name, labelset))
+
+    def test_a_model_a_reload_adds_is_counted_from_the_reload_on(self) -> None:
+        h = Harness(count=1)
+        h.node.reconfigure(make_config([{"model_id": "a"}, {"model_id": "c"}], max_pending_requests_per_device=2))
+        families = h.scrape()
+        for name, labels in self.documented().items():
+            labelset = {"model": "c"} if labels == ["model"] else {"device": "gpu:0", "model": "c"}
+            self.assertEqual(value(families, name, **labelset), 0, name)
 
 
 class DeviceGaugeTests(SynchronousTestCase):

@@ -550,6 +550,48 @@ class CheckChildTests(SynchronousTestCase):
         self.assertGreater(endpoint.generation, lease.endpoint.generation)
         lease.release()
 
+    def test_a_retry_after_a_reload_keeps_the_child_that_serves_others(self) -> None:
+        # The reload changed p's command line (ctx_size): the retry of lease a
+        # goes to the child a was admitted for, not to a switch to the
+        # reloaded record that would stop the child under b.
+        h = self.parallel_harness()
+        first, second = h.node.acquire(h.model("p")), h.node.acquire(h.model("p"))
+        h.answer("p")
+        a, b = self.successResultOf(first), self.successResultOf(second)
+        h.node.reconfigure(make_config([{"model_id": "p", "server_args": {"parallel": 2}, "ctx_size": 8192}],
+                                       max_pending_requests_per_device=4))
+        spawned = len(h.reactor.processes)
+        endpoint = self.successResultOf(h.node.retry_endpoint(a))
+        self.assertEqual(h.sup().state, READY, "b's answer goes on")
+        self.assertEqual((endpoint.generation, endpoint.pid), (a.endpoint.generation, a.endpoint.pid))
+        self.assertEqual(len(h.reactor.processes), spawned, "nothing started")
+        a.release()
+        b.release()
+
+    def test_a_retry_after_a_reload_that_only_changed_roles_reuses_the_child(self) -> None:
+        h = self.parallel_harness()
+        d = h.node.acquire(h.model("p"))
+        h.answer("p")
+        lease = self.successResultOf(d)
+        h.node.reconfigure(make_config([{"model_id": "p", "server_args": {"parallel": 2}, "roles": ["chat"]}],
+                                       max_pending_requests_per_device=4))
+        endpoint = self.successResultOf(h.node.retry_endpoint(lease))
+        self.assertEqual((h.sup().state, endpoint.generation), (READY, lease.endpoint.generation))
+        lease.release()
+
+    def test_a_retry_after_a_reload_that_removed_the_model_is_a_clear_503(self) -> None:
+        h = self.parallel_harness()
+        d = h.node.acquire(h.model("p"))
+        h.answer("p")
+        lease = self.successResultOf(d)
+        h.node.reconfigure(make_config([{"model_id": "q"}], max_pending_requests_per_device=4))
+        failure = self.failureResultOf(h.node.retry_endpoint(lease), errors.ApiError)
+        error = failure.value
+        self.assertEqual((error.status, error.code), (503, "model_removed"))
+        self.assertIn("'p'", error.message)
+        self.assertIn("reload", error.message)
+        lease.release()
+
 
 class LostErrorTests(SynchronousTestCase):
     """A bug in a callback chain is logged, never dropped, and leaves nothing waiting."""

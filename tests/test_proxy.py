@@ -273,15 +273,20 @@ class RelayTests(ProxyTestCase):
             self.assertIsNone(headers.getRawHeaders(name), name)
         self.assertIsNone(headers.getRawHeaders(b"x-accel-buffering"))
 
-    def test_upstream_4xx_passes_through_unchanged(self) -> None:
+    def test_upstream_4xx_passes_through_in_openai_shape(self) -> None:
         d = self.forward()
         body = b'{"error":{"code":400,"message":"bad messages","type":"invalid_request_error"}}'
-        response = self.agent.last.respond(FakeResponse(400, b"Bad Request"))
-        response.send(body)
+        response = self.agent.last.respond(FakeResponse(400, b"Bad Request", headers={
+            b"content-type": [b"application/json"], b"content-length": [b"%d" % len(body)]}))
+        response.send(body[:20])
+        self.assertEqual(self.request.written, [], "an error answer is held to its end")
+        response.send(body[20:])
         response.finish()
         self.assertEqual(self.successResultOf(d), COMPLETE)
         self.assertEqual(self.request.responseCode, 400)
-        self.assertEqual(self.request.body, body)
+        self.assertEqual(json.loads(self.request.body), {"error": {
+            "code": "invalid_request", "message": "bad messages", "type": "invalid_request_error"}})
+        self.assertIsNone(self.request.responseHeaders.getRawHeaders(b"content-length"), "its length changed")
 
     def test_event_stream_headers(self) -> None:
         d = self.forward(streaming=True)
@@ -723,3 +728,117 @@ class IdleTimeoutTests(ProxyTestCase):
         self.assertNoResult(d)
         self.agent.last.respond(FakeResponse()).finish()
         self.assertEqual(self.successResultOf(d), COMPLETE)
+
+
+class ChildErrorTests(ProxyTestCase):
+    """A child's error answer reaches the client with its status, in
+    OpenAI's shape (``code`` a string; llama-server sends a number)."""
+
+    def error(self, status: int, body: bytes, parts: int = 1) -> bytes:
+        d = self.forward()
+        response = self.agent.last.respond(FakeResponse(status, b"Error"))
+        step = max(1, len(body) // parts)
+        for i in range(0, len(body), step):
+            response.send(body[i:i + step])
+        response.finish()
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertEqual(self.request.responseCode, status)
+        return self.request.body
+
+    def test_llama_servers_501_for_embeddings(self) -> None:
+        body = (b'{"error":{"code":501,"message":"This server does not support embeddings. Start it with '
+                b'`--embeddings`","type":"not_supported_error"}}')
+        error = json.loads(self.error(501, body, parts=3))["error"]
+        self.assertEqual((error["code"], error["type"]), ("not_supported", "not_supported_error"))
+        self.assertIn("--embeddings", error["message"])
+
+    def test_other_fields_stay(self) -> None:
+        body = (b'{"error":{"code":400,"message":"the request exceeds the available context size",'
+                b'"type":"exceed_context_size_error","n_prompt_tokens":600,"n_ctx":512}}')
+        error = json.loads(self.error(400, body))["error"]
+        self.assertEqual((error["code"], error["n_ctx"], error["n_prompt_tokens"]), ("exceed_context_size", 512, 600))
+
+    def test_missing_type_and_message_are_filled_in(self) -> None:
+        self.assertEqual(json.loads(self.error(503, b'{"error":{"code":503}}'))["error"],
+                         {"code": "server", "type": "server_error", "message": "llama-server answered 503"})
+
+    def test_what_is_already_in_shape_or_not_an_error_object_is_relayed_as_it_came(self) -> None:
+        for body in (b'{"error": {"code": null, "message": "m", "type": "t"}}',
+                     b'{"error": {"code": "x", "message": "m", "type": "t"}}',
+                     b"not json", b'{"detail": "no"}', b"[1]", b'{"error": "text"}', b""):
+            self.request = DownstreamRequest()
+            self.assertEqual(self.error(404, body), body)
+
+    def test_a_long_error_body_is_relayed_as_it_came(self) -> None:
+        body = b'{"error":{"code":400,"message":"' + b"x" * (proxy_module.MAX_ERROR_BODY + 10) + b'"}}'
+        self.assertEqual(self.error(400, body, parts=4), body)
+
+    def test_a_cut_error_body_is_relayed_as_it_came(self) -> None:
+        d = self.forward()
+        response = self.agent.last.respond(FakeResponse(500, b"Error"))
+        response.send(b'{"error":{"code":500,')
+        response.cut()
+        self.assertEqual(self.successResultOf(d), TRUNCATED)
+        self.assertEqual(self.request.body, b'{"error":{"code":500,')
+
+    def test_success_answers_are_never_held(self) -> None:
+        self.forward()
+        response = self.agent.last.respond(FakeResponse(200))
+        response.send(b'{"error":{"code":1')
+        self.assertEqual(self.request.body, b'{"error":{"code":1')
+
+
+class AnsweredTests(ProxyTestCase):
+    """A stream whose ``data: [DONE]`` was relayed is a success whatever the
+    client does next (the openai SDK v2 closes right after it, without
+    reading the end of the chunked body)."""
+
+    def test_a_client_that_closes_right_after_done_was_answered(self) -> None:
+        d = self.forward(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        response.send(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n')
+        response.send(b'data: {"choices":[{"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+        self.request.client_gone()
+        d.cancel()
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertEqual(response.transport.stopped, 1, "the upstream connection is closed all the same")
+        response.cut()
+        self.assertEqual(self.request.writes_after_gone, [])
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_done_split_across_reads_counts(self) -> None:
+        for cut in range(1, 14):
+            self.request = DownstreamRequest()
+            d = self.forward(streaming=True)
+            response = self.agent.last.respond(self.event_stream())
+            wire = b'data: {"n":1}\n\ndata: [DONE]\n\n'
+            at = wire.index(b"data: [DONE]") + cut - 1
+            response.send(wire[:at])
+            response.send(wire[at:])
+            d.cancel()
+            self.assertEqual(self.successResultOf(d), COMPLETE, cut)
+
+    def test_a_close_before_done_is_still_client_gone(self) -> None:
+        d = self.forward(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        response.send(b'data: {"choices":[{"delta":{"content":"data: [DONE]"}}]}\n\n')  # a token's text
+        response.send(b"data: [DONE")
+        self.request.client_gone()
+        d.cancel()
+        self.assertClientGone(d)
+
+    def test_a_child_that_dies_after_done_leaves_a_complete_answer(self) -> None:
+        d = self.forward(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        response.send(b"data: {}\n\ndata: [DONE]\n\n")
+        response.cut()  # before the chunked body's end
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertNotIn(b"upstream_error", self.request.body, "no error event after [DONE]")
+        self.assertEqual(self.request.aborted, 0)
+
+    def test_done_is_watched_in_event_streams_only(self) -> None:
+        d = self.forward()
+        response = self.agent.last.respond(FakeResponse())
+        response.send(b'{"x": "\ndata: [DONE]"')
+        d.cancel()
+        self.assertClientGone(d)

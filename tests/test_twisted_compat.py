@@ -25,7 +25,14 @@ from twisted.web.test.requesthelper import DummyChannel
 
 import rolemesh
 from rolemesh.listener import EndpointListener, GuardedSite, listening_service
-from rolemesh.twisted_compat import NEVER_SENT, client_disconnected, never_sent, quiet_connection_pool, write_now
+from rolemesh.twisted_compat import (
+    NEVER_SENT,
+    client_disconnected,
+    never_sent,
+    quiet_connection_pool,
+    write_now,
+    write_pending,
+)
 
 PACKAGE = os.path.dirname(os.path.abspath(rolemesh.__file__))
 #: Private Twisted names the agent once used outside the wrapper module.
@@ -218,6 +225,14 @@ class WriteNowTests(SynchronousTestCase):
         queued = b"".join(self.transport._tempDataBuffer)
         self.assertTrue(0 < len(queued) < len(big))
         self.assertEqual(self.reactor.writers, [self.transport])
+
+    def test_write_pending_sees_what_twisted_still_holds(self) -> None:
+        write_now(self.transport, b"sent at once")
+        self.assertFalse(write_pending(self.transport))
+        self.transport.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        write_now(self.transport, b"x" * (8 << 20))  # more than the kernel takes
+        self.assertTrue(write_pending(self.transport))
+        self.assertFalse(write_pending(StringTransport()), "no buffer of Twisted's: nothing pending")
 
     def test_other_transports_use_their_write(self) -> None:
         transport = StringTransport()

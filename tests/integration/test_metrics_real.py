@@ -114,6 +114,40 @@ class FakeChildMetricsTests(SynchronousTestCase):
         # standalone: no dispatcher metrics
         self.assertEqual([n for n in families if n.startswith("rolemesh_dispatcher")], [])
 
+    def test_a_stream_closed_right_after_done_is_a_success(self) -> None:
+        # The openai SDK closes the response right after `data: [DONE]`,
+        # without reading the chunked body's end: the child here waits 0.5 s
+        # between the two, so the close always comes first.  Counted and
+        # logged as 200, not 499.
+        import http.client
+
+        import openai
+
+        agent = self.agent("done_end_delay=0.5")
+        client = openai.OpenAI(base_url=agent.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        chunks = list(client.chat.completions.create(model="m", stream=True, **CHAT))
+        self.assertGreater(len(chunks), 1)
+        conn = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=30)  # raw: close at [DONE]
+        conn.request("POST", CHAT_PATH, b'{"model": "m", "stream": true, "max_tokens": 3, "messages": []}',
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        seen = b""
+        while b"data: [DONE]" not in seen:
+            line = response.readline()
+            self.assertTrue(line, seen)
+            seen += line
+        conn.sock.shutdown(2)
+        conn.close()
+        chat = "chat/completions"
+        wait_until(lambda: value(scrape(agent), "rolemesh_request_duration_seconds_count", model="m",
+                                 endpoint=chat) == 2, 5, what="both streams counted")
+        families = scrape(agent)
+        self.assertEqual(value(families, "rolemesh_requests_total", model="m", endpoint=chat, status="200"), 2)
+        self.assertIsNone(value(families, "rolemesh_requests_total", model="m", endpoint=chat, status="499"))
+        log = agent.log_text()
+        self.assertEqual(log.count("POST /v1/chat/completions m -> 200 on cpu:0"), 2, log[-2000:])
+        self.assertNotIn("-> 499", log)
+
     def test_load_failure_is_a_503_and_counted(self) -> None:
         agent = self.agent("crash_at_start")
         status, _, body = agent.request("POST", CHAT_PATH, {"model": "m", **CHAT})

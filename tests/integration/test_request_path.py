@@ -97,10 +97,19 @@ class RealModelTests(SynchronousTestCase):
         self.assertEqual(status, 400)
         status, _, body = self.agent.request("POST", "/v1/chat/completions", {"messages": []})
         self.assertEqual(status, 400)
-        # llama-server's own 4xx passes through unchanged, and the device still works.
+        # llama-server's own 4xx passes through with its status, in OpenAI's
+        # shape (a string code), and the device still works.
         status, _, body = self.agent.request("POST", "/v1/chat/completions",
                                              {"model": "tiny-a", "messages": "not a list"})
         self.assertEqual(status, 400, body)
+        error = json.loads(body)["error"]
+        self.assertIsInstance(error["code"], str, body.decode())
+        self.assertIsInstance(error["message"], str, body.decode())
+        # tiny-a is not started with --embeddings: llama-server's 501, its code a string.
+        status, headers, body = self.agent.request("POST", "/v1/embeddings", {"model": "tiny-a", "input": "hi"})
+        self.assertEqual(status, 501, body)
+        self.assertEqual(json.loads(body)["error"]["code"], "not_supported", body)
+        self.assertEqual(int(headers["content-length"]), len(body))
         status, _, _ = self.agent.request("POST", "/v1/chat/completions", {"model": "tiny-a", **CHAT})
         self.assertEqual(status, 200)
 
