@@ -21,6 +21,7 @@ from rolemesh.restart_policy import (
     bind_failed,
     killed_from_outside,
     retry_after_seconds,
+    schedule_delay,
     schedule_steps,
     schedule_text,
 )
@@ -101,6 +102,32 @@ class RestartPolicyTests(SynchronousTestCase):
         self.assertEqual(policy.record_failure("a", 50.0, History.CRASH, Schedule.RESTART, ready_at=49.0).failures, 3)
         policy.stopped("a", 60.0, ready_at=59.0)  # a switch away from a child that served
         self.assertEqual(policy.record_failure("a", 70.0, History.CRASH, Schedule.RESTART, ready_at=69.0).failures, 1)
+
+    @given(st.lists(st.sampled_from(["loaded", "killed", "failed", "crash", "switched", "replaced"]), max_size=60))
+    def test_a_failure_counts_only_the_failures_since_its_run_last_ended(self, steps) -> None:
+        # Any history: a failed load counts the failed loads since the model
+        # last loaded; a crash counts the crashes since a child of it last
+        # served until the agent stopped it.  Nothing else counts.
+        policy = RestartPolicy()
+        loads = crashes = 0
+        for n, step in enumerate(steps):
+            now = 10.0 * n
+            if step == "loaded":
+                policy.loaded("a")
+                loads = 0
+            elif step in ("killed", "failed"):
+                schedule = Schedule.RESTART if step == "killed" else Schedule.LOAD
+                loads += 1
+                backoff = policy.record_failure("a", now, History.LOAD, schedule)
+                self.assertEqual((backoff.failures, backoff.delay), (loads, schedule_delay(schedule, loads)))
+            elif step == "crash":
+                crashes += 1
+                self.assertEqual(policy.record_failure("a", now, History.CRASH, Schedule.RESTART,
+                                                       ready_at=now - 1).failures, crashes)
+            else:
+                policy.stopped("a", now, ready_at=now - 1, healthy=step == "switched")
+                crashes = 0 if step == "switched" else crashes
+            self.assertIsNone(policy.backoff("b", now), "another model is never held back")
 
     def test_the_schedules_as_the_docs_give_them(self) -> None:
         self.assertEqual(schedule_steps(Schedule.RESTART), (0, 1, 2, 4, 8, 16, 32, 60))
