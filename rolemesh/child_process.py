@@ -237,6 +237,9 @@ class ChildProcess(ProcessProtocol):
         self._grace = 0.0
         self.pid: Optional[int] = None
         self.ended = False
+        #: The agent asked it to stop (SIGTERM or SIGKILL): how it then ends,
+        #: whatever its exit status, is the end that was asked for.
+        self.asked_to_stop = False
 
     # -- output and end ----------------------------------------------------------
 
@@ -322,11 +325,13 @@ class ChildProcess(ProcessProtocol):
             log.warn("cannot signal llama-server pid {pid}: {error}", pid=self.pid, error=e.strerror)
 
     def kill(self) -> None:
+        self.asked_to_stop = True
         self.signal(signal.SIGKILL)
 
     def terminate(self, grace: float) -> None:
         """SIGTERM, repeated every TERM_REPEAT_S until ``grace`` is over, then
         SIGKILL: a child that has just become ready sometimes misses the first."""
+        self.asked_to_stop = True
         self.signal(signal.SIGTERM)
         self._term_deadline = self._clock.seconds() + grace
         self._grace = grace

@@ -422,6 +422,7 @@ class _LiveCollector(Collector):
             self._node,
             self._scheduler,
             self._children,
+            self._backoffs,
             self._supervisor_counters,
             self._devices,
             self._telemetry,
@@ -483,6 +484,30 @@ class _LiveCollector(Collector):
                 model.add_metric([name, model_id], 1 if current == model_id else 0)
         yield state
         yield model
+
+    def _backoffs(self) -> Iterator[Metric]:
+        """Which model backs off on which device, until when and after how
+        many failures in a row (0 for every other model)."""
+        metrics = self._metrics
+        until = GaugeMetricFamily(
+            "rolemesh_model_backoff_until_seconds",
+            "While loads of the model on the device are refused after failures in a row: when it will be "
+            "tried again (POSIX seconds); 0 when it is not backing off.",
+            labels=["device", "model"],
+        )
+        failures = GaugeMetricFamily(
+            "rolemesh_model_backoff_failures",
+            "Failures in a row behind the model's back-off on the device; 0 when it is not backing off.",
+            labels=["device", "model"],
+        )
+        for name, supervisor in metrics.node.supervisors.items():
+            active = {backoff.model: backoff for backoff in supervisor.backoffs()}
+            for model_id in sorted(metrics._models | set(active)):
+                backoff = active.get(model_id)
+                until.add_metric([name, model_id], backoff.until if backoff is not None else 0)
+                failures.add_metric([name, model_id], backoff.failures if backoff is not None else 0)
+        yield until
+        yield failures
 
     def _supervisor_counters(self) -> Iterator[Metric]:
         metrics = self._metrics

@@ -277,6 +277,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             return defer.fail(errors.shutting_down())
         try:
             lanes, need, device = self._placement(model, device)
+            lanes = self._not_backing_off(model, lanes, device)
         except errors.ApiError as e:
             return defer.fail(e)
         request = _Acquisition(model, Deferred(lambda d: self._cancel(ticket, request)),
@@ -292,6 +293,20 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             request.queue_timer = self.reactor.callLater(
                 self.config.queue_timeout_s, self._queue_timed_out, ticket, request)
         return request.result
+
+    def _not_backing_off(self, model: ModelConfig, lanes: List[str], device: Optional[str]) -> List[str]:
+        """The lanes where ``model`` is not backing off (a back-off belongs to
+        the model and the device it failed on); raises the refusal (503 with
+        Retry-After: the soonest next attempt) when it backs off on them all,
+        so that no switch is booked for a load that would be refused."""
+        supervisors = self.supervisors
+        refusals = {lane: supervisors[lane].refusal(model) for lane in ([device] if device else lanes)}
+        if not any(refusals.values()):
+            return lanes
+        open_lanes = [lane for lane, refusal in refusals.items() if refusal is None]
+        if not open_lanes:
+            raise min((r for r in refusals.values() if r is not None), key=lambda r: r.retry_after or 0)
+        return lanes if device else open_lanes
 
     def lease_now(self, model: ModelConfig) -> Optional[Lease]:
         """A lease at once, without a Deferred, when the request would start
@@ -530,6 +545,12 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
                 request.result.callback(lease)
 
         def failed(f: Failure) -> None:
+            if supervisor.loading_or_loaded != request.model.model_id:
+                # Refused or failed: the device does not hold the model the
+                # ticket booked, so the next request for another is no switch
+                # behind it (a stale booking let the failing model's queued
+                # requests overtake every other model's).
+                self.scheduler.model_unloaded(supervisor.name, request.model.model_id)
             self.scheduler.finish(ticket)
             self._device_quiet(supervisor.name)
             if not request.result.called:
@@ -852,6 +873,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             entry["last_error"] = supervisor.last_error
             entry["last_error_code"] = supervisor.last_error_code
             entry["warnings"] = supervisor.warnings
+            entry["backoff"] = self._backoff_json(supervisor)
             entry.update(self._telemetry_blocks(device.name))
             devices.append(entry)
         warnings = [w for s in self.supervisors.values() for w in s.warnings]
@@ -867,6 +889,12 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             "groups": self.group_states(),
             "models": [self.model_memory(m) for m in self.config.models],
         }
+
+    def _backoff_json(self, supervisor: DeviceSupervisor) -> List[Dict[str, Any]]:
+        """The models backing off on a device or group: until when (reactor
+        seconds: POSIX time), the Retry-After they get now, and why."""
+        now = self.reactor.seconds()
+        return [backoff.to_json(now) for backoff in supervisor.backoffs()]
 
     def _group_on(self, device: str) -> Optional[str]:
         """The device group whose child holds (or is getting) ``device`` now."""
@@ -886,7 +914,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
                 "port": snap["port"], "pid": snap["pid"], "in_flight": len(book.running),
                 "queued": len(book.queue), "pending_limit": self.scheduler.pending_limit,
                 "restarts": snap["restarts"], "last_error": supervisor.last_error,
-                "memory_total_bytes": self.capacity(group),
+                "backoff": self._backoff_json(supervisor), "memory_total_bytes": self.capacity(group),
                 **self._telemetry_state(supervisor, len(book.queue), None),
                 **self._telemetry_blocks(group),
             })

@@ -76,7 +76,10 @@ from rolemesh.reactor import UsesReactor
 from rolemesh.restart_policy import (
     INFERENCE_PROBE_FAILURES,
     STABLE_AFTER_S,
+    BackOff,
+    History,
     RestartPolicy,
+    Schedule,
     killed_from_outside,
     retry_after_seconds,
 )
@@ -235,6 +238,9 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self._started_at = 0.0
         self._ready_at: Optional[float] = None
         self._stop_reason: Optional[DeviceState] = None
+        #: The stop under way is of a child that served well (a switch, an
+        #: unload, a reload), not one replaced for failing its probes.
+        self._stop_healthy = True
         self._closing = False
         #: The last endpoint built, with what it was built from (see endpoint).
         self._endpoint: Optional[Tuple[Tuple[str, int, int, int], ChildEndpoint]] = None
@@ -353,11 +359,12 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         endpoint = self.serving(model)
         if endpoint is not None:
             return defer.succeed(endpoint)
-        wait = self.policy.backing_off(model.model_id, self.reactor.seconds())
-        if self.state in (FAILED, STOPPED) and wait > 0:
-            # Backing off: answer at once and spawn nothing, so that clients'
-            # automatic retries do not each start a failing child.
-            return defer.fail(self._backing_off(model, wait))
+        refusal = self.refusal(model)
+        if refusal is not None:
+            # Backing off: answer at once, spawn nothing and leave the child
+            # of another model alone, so that clients' automatic retries do
+            # not each start a failing child.
+            return defer.fail(refusal)
         d: Deferred = Deferred(lambda d: self._cancel_waiter(d))
         if self.state == STARTING and self.model == model:
             self._waiters.append((model.model_id, d))
@@ -375,15 +382,26 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         # STOPPING: _child_ended starts the target once the old child is reaped.
         return d
 
-    def _backing_off(self, model: ModelConfig, wait: float) -> errors.ApiError:
+    def refusal(self, model: ModelConfig) -> Optional[errors.ApiError]:
+        """The 503 for ``model`` while it backs off on this device (its
+        Retry-After: when it will be tried again), else None.  Only the model
+        that failed is refused: another model's request is served."""
+        now = self.reactor.seconds()
+        backoff = self.policy.backoff(model.model_id, now)
+        if backoff is None:
+            return None
+        wait = retry_after_seconds(backoff.remaining(now))
         return errors.model_load_failed(
             diagnosis.shorten(
-                f"model {model.model_id!r} failed {self.policy.failures.get(model.model_id, 0)} times in a row "
-                f"on {self.name}; next attempt in {retry_after_seconds(wait)}s. Last error: "
-                f"{self.last_error or 'unknown'}"
+                f"model {model.model_id!r} failed {backoff.failures} times in a row on {self.name}; "
+                f"next attempt in {wait}s. Last error: {backoff.message or 'unknown'}"
             ),
-            retry_after=retry_after_seconds(wait),
+            retry_after=wait,
         )
+
+    def backoffs(self) -> List[BackOff]:
+        """The models backing off on this device now (the inventory, the metrics)."""
+        return self.policy.active(self.reactor.seconds())
 
     @_transition
     def stop(self) -> "Deferred[None]":
@@ -426,7 +444,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self._count("restart")
         self._note_error("unhealthy", f"llama-server for {model_id!r} failed a health probe "
                                       f"after {after} on {self.name}; restarted")
-        self._stop_child(f"unhealthy after {after}")
+        self._stop_child(f"unhealthy after {after}", healthy=False)
         return True
 
     def check_inference(self) -> "Deferred[bool]":
@@ -457,7 +475,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
             self._note_error("inference_probe_failed",
                              f"llama-server for {model.model_id!r} answered /health but failed "
                              f"{INFERENCE_PROBE_FAILURES} inference probes in a row on {self.name}; restarted")
-            self._stop_child("failed its inference probes")
+            self._stop_child("failed its inference probes", healthy=False)
         return False
 
     def startService(self) -> None:
@@ -492,15 +510,17 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self._started_at = self.reactor.seconds()
         self._ready_at = None
         self._stop_reason = None
+        self._stop_healthy = True
         self._set_state(STARTING)
         child = ChildProcess(self, self.reactor, self.name, self.launcher.signal_group)
         try:
             self.launcher.spawn(self.reactor, child, wrapped, env)
         except Exception as e:  # e.g. the interpreter vanished: fail, don't wedge
             self._child = None
-            self._record_failure()
+            message = f"cannot start llama-server on {self.name}: {e}"
+            self._record_failure(History.LOAD, Schedule.RESTART, "model_load_failed", message)
             self._count("load_failure")
-            self._load_failed(errors.model_load_failed(f"cannot start llama-server on {self.name}: {e}"))
+            self._load_failed(errors.model_load_failed(message))
             return
         self._child, self.pid = child, child.pid
         if self._pidfiles is not None and self.pid is not None:
@@ -526,6 +546,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         log.info("llama-server for {model} ready on {device} in {seconds:.2f}s (pid {pid})",
                  model=self.model.model_id, device=self.name, seconds=self.last_load_seconds, pid=self.pid)
         self._count("load", seconds=self.last_load_seconds)
+        self.policy.loaded(self.model.model_id)  # its run of failed loads is over
         self._note_error(None, None)
         self._set_state(READY)
         endpoint = self.endpoint
@@ -544,11 +565,11 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         message = diagnosis.shorten(
             f"model {self.model.model_id!r} {what} on {self.name}" + (f"; last error: {line}" if line else "")
         )
-        delay = self._record_failure(load=True)
+        backoff = self._record_failure(History.LOAD, Schedule.LOAD, "model_load_timeout", message)
         self._count("load_timeout")
         self._note_error("model_load_timeout", message)
-        self._stop_child("load timed out", kill_now=True, reason=FAILED)
-        self._fail_waiters(errors.model_load_timeout(message, retry_after=retry_after_seconds(delay)))
+        self._stop_child("load timed out", kill_now=True, reason=FAILED, healthy=False)
+        self._fail_waiters(errors.model_load_timeout(message, retry_after=retry_after_seconds(backoff.delay)))
 
     # -- output and exit (the ChildSink of the current child) -----------------------
 
@@ -568,10 +589,21 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         if child is self._child and self._watch is not None and announces_ready(chunk):
             self._watch.poke()
 
-    def _record_failure(self, load: bool = False) -> float:
-        """Count a failure in a row; returns the back-off before the next try."""
+    def _record_failure(self, history: History, schedule: Schedule, code: str, message: str) -> BackOff:
+        """Count a failure of the current model in a row of ``history``; log
+        the back-off it sets, and why; return it."""
         assert self.model is not None
-        return self.policy.record_failure(self.model.model_id, self.reactor.seconds(), self._ready_at, load)
+        backoff = self.policy.record_failure(self.model.model_id, self.reactor.seconds(), history, schedule,
+                                             self._ready_at, code, message)
+        if backoff.delay > 0:
+            log.warn("{model} backs off on {device} for {delay:g}s, loads refused until then: {why}",
+                     model=backoff.model, device=self.name, delay=backoff.delay, why=backoff.why(),
+                     failures=backoff.failures, step=backoff.step, schedule=str(backoff.schedule))
+        else:
+            log.info("{model} will be loaded again on {device} at the next request: {why}",
+                     model=backoff.model, device=self.name, why=backoff.why(),
+                     failures=backoff.failures, step=backoff.step, schedule=str(backoff.schedule))
+        return backoff
 
     @_transition
     def child_ended(self, child: Optional[ChildProcess], reason: Failure) -> None:
@@ -585,13 +617,13 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         exit = exit_of(reason)
         attempt = self.output.attempt()
         self.output.append(f"[rolemesh] llama-server {exit.how}")
-        if was == STARTING:
+        if was == STOPPING or (child is not None and child.asked_to_stop):
+            self._ended_as_asked(exit)  # the end we asked for, whatever its exit status
+        elif was == STARTING:
             if not self._ended_while_starting(exit, attempt):
                 return  # retried at once
-        elif was == READY:
+        else:  # READY
             self._ended_while_ready(exit)
-        else:  # STOPPING: the end we asked for
-            self._ended_as_asked(exit)
         stop_waiters, self._stop_waiters = self._stop_waiters, []
         for d in stop_waiters:
             self._settle(d, None)
@@ -611,34 +643,34 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
             self._spawn()
             return False
         message = diagnosis.load_failure(model.model_id, self.name, exit, attempt, model.path)
-        delay = self._record_failure(load=not killed_from_outside(exit))
+        code = exit.error_code("model_load_failed")
+        # Killed from outside (a person, the OOM killer): the first retry is
+        # free; a load that ended on its own repeats until someone acts.
+        schedule = Schedule.RESTART if killed_from_outside(exit) else Schedule.LOAD
+        backoff = self._record_failure(History.LOAD, schedule, code, message)
         self._count("load_failure")
-        self._load_failed(
-            errors.model_load_failed(message, retry_after=retry_after_seconds(delay)),
-            exit.error_code("model_load_failed"),
-        )
+        self._load_failed(errors.model_load_failed(message, retry_after=retry_after_seconds(backoff.delay)), code)
         return True
 
     def _ended_while_ready(self, exit: diagnosis.Exit) -> None:
         model = self.model
         assert model is not None
-        delay = self._record_failure()
-        self._count("crash")
-        self._count("restart")
         meaning = f" ({exit.meaning})" if exit.meaning else ""
         line = diagnosis.decisive_line(self.output.tail(ERROR_TAIL_LINES), model.path, model.model_id)
-        self._note_error(
-            exit.error_code("child_crashed"),
-            diagnosis.shorten(f"llama-server for {model.model_id!r} {exit.how} unexpectedly{meaning}"
-                              + (f": {line}" if line else "")),
-        )
-        log.error("{message}", message=self.last_error, device=self.name, model=model.model_id)
-        self._set_state(FAILED if delay > 0 else STOPPED)
+        code = exit.error_code("child_crashed")
+        message = diagnosis.shorten(f"llama-server for {model.model_id!r} {exit.how} unexpectedly{meaning}"
+                                    + (f": {line}" if line else ""))
+        log.error("{message}", message=message, device=self.name, model=model.model_id)
+        backoff = self._record_failure(History.CRASH, Schedule.RESTART, code, message)
+        self._count("crash")
+        self._count("restart")
+        self._note_error(code, message)
+        self._set_state(FAILED if backoff.delay > 0 else STOPPED)
 
     def _ended_as_asked(self, exit: diagnosis.Exit) -> None:
         model = self.model
         assert model is not None
-        self.policy.stopped(model.model_id, self.reactor.seconds(), self._ready_at)
+        self.policy.stopped(model.model_id, self.reactor.seconds(), self._ready_at, self._stop_healthy)
         log.info("llama-server for {model} on {device} stopped ({how})",
                  model=model.model_id, device=self.name, how=exit.how)
         self._set_state(self._stop_reason or STOPPED)
@@ -679,9 +711,11 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
 
     # -- stopping -------------------------------------------------------------
 
-    def _stop_child(self, why: str, kill_now: bool = False, reason: Optional[DeviceState] = None) -> None:
+    def _stop_child(self, why: str, kill_now: bool = False, reason: Optional[DeviceState] = None,
+                    healthy: bool = True) -> None:
         self._stop_watch()
         self._stop_reason = reason
+        self._stop_healthy = healthy
         self._set_state(STOPPING)
         child = self._child
         if child is None:  # never spawned: nothing to reap

@@ -119,6 +119,36 @@ class GroupSignals:
                 p.signals.append(sig)
 
 
+class StubbornSignals(GroupSignals):
+    """Like :class:`GroupSignals`, and the children answer as llama-server
+    can while it is stopped: the first SIGTERM is ignored, the second ends
+    the child with status ``code`` ("Received second interrupt, terminating
+    immediately": status 1), SIGKILL ends it killed.  The end comes on the
+    reactor's next turn (``advance(0)``), as a real child's is reaped."""
+
+    def __init__(self, reactor: ProcessReactor, code: int = 1) -> None:
+        super().__init__(reactor)
+        self.code = code
+        self.terms: Dict[int, int] = {}
+
+    def __call__(self, pid: int, sig: int) -> None:
+        super().__call__(pid, sig)
+        process = next((p for p in self.reactor.processes if p.pid == pid and not p.ended), None)
+        if process is None:
+            return
+        if sig == 9:  # SIGKILL
+            self.reactor.callLater(0, self._end, process, None, 9)
+        elif sig == 15:  # SIGTERM
+            self.terms[pid] = self.terms.get(pid, 0) + 1
+            if self.terms[pid] == 2:
+                self.reactor.callLater(0, self._end, process, self.code, None)
+
+    @staticmethod
+    def _end(process: FakeProcess, code: Optional[int], signal: Optional[int]) -> None:
+        if not process.ended:
+            process.exit(code or 0, signal=signal)
+
+
 class FakeProbe:
     """A readiness probe the test answers: ``ready`` names models whose
     children answer; everything else is 'not yet'."""

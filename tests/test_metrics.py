@@ -415,6 +415,23 @@ class NodeEventTests(SynchronousTestCase):
         self.assertEqual(value(families, "rolemesh_child_state", device="gpu:0", state="stopped"), 1)
         self.assertEqual(value(families, "rolemesh_child_model", device="gpu:0", model="a"), 0)
 
+    def test_a_model_backing_off_says_where_until_when_and_after_how_many_failures(self) -> None:
+        h = Harness(count=2)
+        h.reactor.advance(1000)
+        d = h.node.acquire(h.config.model("a"), device="gpu:0")
+        h.reactor.last.exit(1)  # the load ends on its own: 15 s of back-off on gpu:0
+        self.failureResultOf(d)
+        families = h.scrape()
+        self.assertEqual(value(families, "rolemesh_model_backoff_until_seconds", device="gpu:0", model="a"), 1015)
+        self.assertEqual(value(families, "rolemesh_model_backoff_failures", device="gpu:0", model="a"), 1)
+        for device, model in (("gpu:0", "b"), ("gpu:1", "a"), ("gpu:1", "b")):
+            self.assertEqual(value(families, "rolemesh_model_backoff_until_seconds", device=device, model=model), 0)
+            self.assertEqual(value(families, "rolemesh_model_backoff_failures", device=device, model=model), 0)
+        h.reactor.advance(15)
+        families = h.scrape()
+        self.assertEqual(value(families, "rolemesh_model_backoff_until_seconds", device="gpu:0", model="a"), 0)
+        self.assertEqual(value(families, "rolemesh_model_backoff_failures", device="gpu:0", model="a"), 0)
+
     def test_idle_unload_for_an_unknown_device_is_not_a_label(self) -> None:
         h = Harness(count=1)
         h.metrics.observe("idle_unload", device="gpu:99", model="a")

@@ -14,7 +14,15 @@ from rolemesh import errors
 from rolemesh.node import METRICS_TIMEOUT_S, Lease, Node
 from rolemesh.scheduler import CANCELLED, DONE, QUEUED, RUNNING
 from rolemesh.supervisor import READY, STARTING, STOPPED, STOPPING, DeviceSupervisor
-from tests.fakes import FakeBackend, FakeProbe, FakeProcess, GroupSignals, ProcessReactor, make_config
+from tests.fakes import (
+    FakeBackend,
+    FakeProbe,
+    FakeProcess,
+    GroupSignals,
+    ProcessReactor,
+    StubbornSignals,
+    make_config,
+)
 
 #: a: served as "alpha"; b: no alias; e: an embedder served as "emb".
 MODELS: List[Dict[str, Any]] = [
@@ -27,14 +35,15 @@ MODELS: List[Dict[str, Any]] = [
 class NodeHarness:
     """A Node over real supervisors, fake children and a Clock."""
 
-    def __init__(self, models: Optional[Sequence[Dict[str, Any]]] = None, devices: int = 1, **top: Any) -> None:
+    def __init__(self, models: Optional[Sequence[Dict[str, Any]]] = None, devices: int = 1,
+                 signals: Callable[[ProcessReactor], GroupSignals] = GroupSignals, **top: Any) -> None:
         top.setdefault("llama_server_startup_timeout_s", 10.0)
         top.setdefault("llama_server_probe_interval_s", 0.5)
         top.setdefault("llama_server_stop_timeout_s", 5.0)
         self.config = make_config(MODELS if models is None else models, **top)
         self.reactor = ProcessReactor()
         self.probe = FakeProbe()
-        self.signals = GroupSignals(self.reactor)
+        self.signals = signals(self.reactor)
         self.backend = FakeBackend(count=devices)
         ports = itertools.count(20000)
         self.supervisors = [
@@ -898,7 +907,7 @@ class ReportingTests(SynchronousTestCase):
                          ("test-node", "fake", False))
         gpu0, gpu1 = inventory["devices"]
         expected_keys = {"ref", "device", "state", "model", "port", "pid", "in_flight", "queued",
-                         "pending_limit", "restarts", "metrics", "last_error", "last_error_code", "warnings",
+                         "pending_limit", "restarts", "metrics", "last_error", "last_error_code", "warnings", "backoff",
                          "slots_total", "slots_busy", "slots_free", "queue_depth", "tokens_per_s", "issues", "load",
                          "slots", "throughput", "group"}
         self.assertEqual(set(gpu0), expected_keys)
@@ -1038,3 +1047,165 @@ class TwoDeviceTests(SynchronousTestCase):
         self.assertEqual(len(h.book("gpu:0").queue), 1)
         self.assertEqual(h.model_on("gpu:1"), "b")
         self.assertEqual(h.sup("gpu:1").state, READY)
+
+
+#: The served names the fake probe answers for, per model id.
+SERVED = {"a": "alpha", "b": "b", "e": "emb"}
+
+
+class BackOffTests(SynchronousTestCase):
+    """Issue 31: a back-off belongs to the (model, device) that failed, and
+    only to the failures in a row since that model last worked there.  The
+    children here are stubborn: the first SIGTERM of a stop is ignored, the
+    second ends them with status 1 ("Received second interrupt")."""
+
+    def setUp(self) -> None:
+        self.h = NodeHarness(signals=StubbornSignals, max_pending_requests_per_device=16)
+
+    def request(self, model_id: str, device: Optional[str] = None) -> List[Any]:
+        results: List[Any] = []
+        self.h.node.acquire(self.h.model(model_id), device=device).addBoth(results.append)
+        return results
+
+    def wait(self, results: List[Any], bound: float = 5.0) -> None:
+        """Advance the clock until ``results`` has an answer, at most ``bound`` s."""
+        waited = 0.0
+        while not results and waited < bound:
+            self.h.reactor.advance(0.25)
+            waited += 0.25
+
+    def serve(self, model_id: str, device: Optional[str] = None) -> Lease:
+        """A request for the model is served (its child loads if need be)."""
+        self.h.probe.ready = {SERVED[model_id]}
+        results = self.request(model_id, device)
+        self.wait(results)
+        answer = results[0] if results else "no answer"
+        if not isinstance(answer, Lease):
+            self.fail(f"a request for {model_id} was not served: {answer}")
+        answer.release()
+        return answer
+
+    def kill_load(self, model_id: str) -> errors.ApiError:
+        """A request for the model switches to it, and its load is SIGKILLed from outside."""
+        h = self.h
+        h.probe.ready = set()
+        results = self.request(model_id)
+        self.wait(results, bound=1.0)  # the stubborn stop of the child before it
+        self.assertEqual((h.sup().state, h.model_on()), (STARTING, model_id), results)
+        h.child().exit(signal=signal.SIGKILL)
+        self.assertTrue(results, "the killed load is answered at once")
+        failure = results[0]
+        self.assertIsInstance(failure.value, errors.ApiError)
+        self.assertIn("killed by SIGKILL while loading", failure.value.message)
+        return failure.value
+
+    def test_one_killed_load_after_a_history_of_kills_loads_and_stubborn_stops_refuses_nothing(self) -> None:
+        # The issue's chaos test in small: every model's load is killed from
+        # outside now and then, between loads that work, and every switch stops
+        # a child that exits 1 at its second SIGTERM.  Before the fix the kills
+        # added up (a load that worked ended nothing), so soon one kill meant
+        # up to 60 s of refusals -- and with each model backing off in turn,
+        # the device refused every model.
+        h = self.h
+        for _ in range(8):
+            for model_id in ("b", "a", "e"):
+                self.kill_load(model_id)  # retried at once: the first failure since it worked
+                self.serve(model_id)
+        # The moment of the issue: a switch away from a (its child exits 1),
+        # then b's load is killed.  Nothing is refused: b is tried again at
+        # once, and the other models are served.
+        self.serve("a")
+        self.kill_load("b")
+        self.assertEqual(h.sup().backoffs(), [], "a first failure in a row is retried at once")
+        for model_id in ("b", "a", "e", "b"):
+            self.serve(model_id)
+        self.assertEqual(h.sup().restarts, 0)
+        self.assertGreater(sum(1 for p in h.reactor.processes if p.signals.count(signal.SIGTERM) == 2), 24,
+                           "the stops were stubborn ones")
+
+    def test_a_model_backing_off_is_refused_with_retry_after_and_the_others_are_served(self) -> None:
+        h = self.h
+        self.serve("a")
+        h.probe.ready = set()
+        results = self.request("b")
+        self.wait(results, bound=1.0)
+        h.child().exit(1)  # b's load ends on its own: 15 s of back-off
+        failed_at = h.reactor.seconds()
+        self.assertEqual(results[0].value.retry_after, 15)
+        self.serve("a")
+        self.serve("e")  # the device switches between the others as usual
+        h.reactor.advance(failed_at + 5 - h.reactor.seconds())
+        refused = self.request("b")
+        self.assertEqual(refused[0].value.code, "model_load_failed")
+        self.assertEqual(refused[0].value.retry_after, 10, "when b will be tried again")
+        self.assertIn("next attempt in 10s", refused[0].value.message)
+        self.assertIn("exited with status 1 while loading", refused[0].value.message, "b's own error")
+        # Asking for b did not stop e's child, nor book a switch.
+        self.assertEqual((h.sup().state, h.model_on()), (READY, "e"))
+        self.assertEqual(h.book().model, "e")
+        self.assertNotIn(signal.SIGTERM, h.child().signals)
+        h.reactor.advance(10)
+        self.serve("b")  # tried again once the back-off is over
+
+    def test_requests_queued_for_a_model_whose_load_fails_leave_no_booking_behind(self) -> None:
+        h = self.h
+        h.probe.ready = set()
+        first = self.request("b")
+        queued = [self.request("b") for _ in range(3)]
+        h.child().exit(1)
+        self.assertEqual([r[0].value.code for r in [first] + queued], ["model_load_failed"] * 4)
+        self.assertEqual([r[0].value.retry_after for r in queued], [15] * 3)
+        self.assertIsNone(h.book().model, "the books do not say the device holds b")
+        self.serve("e")
+
+    def test_a_model_backing_off_on_one_device_is_served_by_another(self) -> None:
+        h = NodeHarness(devices=2, signals=StubbornSignals)
+        self.h = h
+        h.probe.ready = set()
+        results = self.request("b")
+        self.assertEqual(h.model_on("gpu:0"), "b")
+        h.child("gpu:0").exit(1)
+        self.assertEqual(results[0].value.retry_after, 15)
+        self.assertEqual(self.serve("b").device, "gpu:1", "gpu:1 has not failed b")
+        # Pinned to the device it backs off on: refused there, with its Retry-After.
+        self.assertEqual(self.request("b", device="gpu:0")[0].value.retry_after, 15)
+        self.assertEqual(self.serve("a").device, "gpu:0", "gpu:0 serves other models")
+
+    def test_a_stop_the_agent_asked_for_never_counts_whatever_its_exit_status(self) -> None:
+        # An unload and a reload that changes the command: the children exit 1.
+        h = self.h
+        self.serve("b")
+        unloaded: List[Any] = []
+        h.node.unload("gpu:0").addBoth(unloaded.append)
+        h.reactor.advance(0.25)
+        self.assertEqual(unloaded, [None])
+        self.serve("b")
+        config = make_config([dict(MODELS[0]), dict(MODELS[1], ctx_size=512), dict(MODELS[2])],
+                             llama_server_startup_timeout_s=10.0, llama_server_probe_interval_s=0.5,
+                             llama_server_stop_timeout_s=5.0, max_pending_requests_per_device=16)
+        h.node.reconfigure(config)
+        h.config = config
+        self.serve("b")  # a new child for the new command, after the old one exited 1
+        self.assertEqual(h.sup().last_error, None)
+        self.serve("a")  # and a switch away from it: exit 1 again
+        h.probe.ready = set()
+        results = self.request("b")
+        self.wait(results, bound=1.0)
+        h.child().exit(1)
+        self.assertEqual(results[0].value.retry_after, 15, "b's first failure: none of those stops counted")
+
+    def test_the_inventory_says_which_model_backs_off_where_until_when_and_why(self) -> None:
+        h = self.h
+        h.reactor.advance(100)
+        h.probe.ready = set()
+        results = self.request("b")
+        h.child().exit(1)
+        self.assertTrue(results)
+        h.reactor.advance(4)
+        device = h.node.inventory()["devices"][0]
+        self.assertEqual(device["backoff"], [{
+            "model": "b", "until": 115.0, "retry_after_s": 11, "failures": 1, "history": "load",
+            "schedule": "load", "step": 1, "code": "model_load_failed",
+            "message": "llama-server for model 'b' exited with status 1 while loading on gpu:0"}])
+        h.reactor.advance(11)
+        self.assertEqual(h.node.inventory()["devices"][0]["backoff"], [])

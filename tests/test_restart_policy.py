@@ -15,10 +15,15 @@ from rolemesh.restart_policy import (
     BIND_RETRIES,
     INFERENCE_PROBE_FAILURES,
     STABLE_AFTER_S,
+    History,
     RestartPolicy,
+    Schedule,
     bind_failed,
     killed_from_outside,
     retry_after_seconds,
+    schedule_delay,
+    schedule_steps,
+    schedule_text,
 )
 from tests.fakes import make_config
 
@@ -44,26 +49,104 @@ class PureTests(SynchronousTestCase):
 
 
 class RestartPolicyTests(SynchronousTestCase):
-    @given(st.integers(1, 40), st.booleans())
-    def test_failures_in_a_row_follow_the_backoff_and_set_the_next_try(self, count: int, load: bool) -> None:
+    @given(st.integers(1, 40), st.sampled_from(list(History)), st.sampled_from(list(Schedule)))
+    def test_failures_in_a_row_follow_the_schedule_and_set_the_next_try(
+            self, count: int, history: History, schedule: Schedule) -> None:
         policy = RestartPolicy()
         now = 100.0
         for n in range(1, count + 1):
-            delay = policy.record_failure("a", now, ready_at=now - 1.0, load=load)
-            self.assertEqual(delay, load_retry_delay(n) if load else restart_delay(n))
-            self.assertEqual(policy.backing_off("a", now), delay)
-        self.assertEqual(policy.failures, {"a": count})
+            backoff = policy.record_failure("a", now, history, schedule, ready_at=now - 1.0)
+            expected = load_retry_delay(n) if schedule == Schedule.LOAD else restart_delay(n)
+            self.assertEqual((backoff.delay, backoff.failures, backoff.until), (expected, n, now + expected))
+            self.assertEqual(policy.backing_off("a", now), expected)
+            self.assertEqual(backoff.step, min(n, len(schedule_steps(schedule))))
+        self.assertEqual(policy.failures("a"), count)
         self.assertLessEqual(policy.backing_off("b", now), 0, "other models are not held back")
+        self.assertIsNone(policy.backoff("b", now))
 
-    def test_a_child_that_was_stable_starts_a_fresh_count(self) -> None:
+    def test_a_child_that_was_stable_starts_a_fresh_count_of_crashes(self) -> None:
         policy = RestartPolicy()
-        policy.record_failure("a", 10.0, None, load=False)
-        policy.record_failure("a", 20.0, None, load=False)
-        self.assertEqual(policy.failures["a"], 2)
-        self.assertEqual(policy.record_failure("a", 100.0, ready_at=100.0 - STABLE_AFTER_S, load=False), 0.0)
-        self.assertEqual(policy.failures["a"], 1)
-        policy.stopped("a", 200.0, ready_at=200.0 - STABLE_AFTER_S)
-        self.assertEqual(policy.failures["a"], 0)
+        policy.record_failure("a", 10.0, History.CRASH, Schedule.RESTART, ready_at=9.0)
+        policy.record_failure("a", 20.0, History.CRASH, Schedule.RESTART, ready_at=19.0)
+        self.assertEqual(policy.failures("a"), 2)
+        backoff = policy.record_failure("a", 100.0, History.CRASH, Schedule.RESTART, ready_at=100.0 - STABLE_AFTER_S)
+        self.assertEqual((backoff.delay, backoff.failures), (0.0, 1))
+        policy.record_failure("a", 110.0, History.CRASH, Schedule.RESTART, ready_at=109.0)
+        policy.stopped("a", 200.0, ready_at=200.0 - STABLE_AFTER_S, healthy=False)
+        self.assertEqual(policy.record_failure("a", 300.0, History.CRASH, Schedule.RESTART, ready_at=299.0).failures, 1)
+
+    def test_a_load_that_becomes_ready_ends_the_run_of_failed_loads(self) -> None:
+        policy = RestartPolicy()
+        for now in (10.0, 20.0, 30.0):
+            policy.record_failure("a", now, History.LOAD, Schedule.RESTART)
+        self.assertEqual(policy.backoff("a", 30.0).delay, restart_delay(3))  # type: ignore[union-attr]
+        policy.loaded("a")
+        self.assertIsNone(policy.backoff("a", 30.0), "a load that worked is not backing off")
+        backoff = policy.record_failure("a", 40.0, History.LOAD, Schedule.RESTART)
+        self.assertEqual((backoff.failures, backoff.delay), (1, 0.0), "first in a row again: retried at once")
+
+    def test_a_load_that_becomes_ready_does_not_end_a_run_of_crashes(self) -> None:
+        # A child that loads and then crashes under every request still backs off.
+        policy = RestartPolicy()
+        for n in range(1, 4):
+            policy.loaded("a")
+            self.assertEqual(policy.record_failure("a", 10.0 * n, History.CRASH, Schedule.RESTART,
+                                                   ready_at=10.0 * n - 1).failures, n)
+
+    def test_a_stop_of_a_child_that_served_ends_the_run_of_crashes_unless_it_was_replaced(self) -> None:
+        policy = RestartPolicy()
+        policy.record_failure("a", 10.0, History.CRASH, Schedule.RESTART, ready_at=9.0)
+        policy.stopped("a", 20.0, ready_at=19.0, healthy=False)  # replaced after failing its probes
+        self.assertEqual(policy.record_failure("a", 30.0, History.CRASH, Schedule.RESTART, ready_at=29.0).failures, 2)
+        policy.stopped("a", 40.0, ready_at=None)  # stopped while loading: says nothing
+        self.assertEqual(policy.record_failure("a", 50.0, History.CRASH, Schedule.RESTART, ready_at=49.0).failures, 3)
+        policy.stopped("a", 60.0, ready_at=59.0)  # a switch away from a child that served
+        self.assertEqual(policy.record_failure("a", 70.0, History.CRASH, Schedule.RESTART, ready_at=69.0).failures, 1)
+
+    @given(st.lists(st.sampled_from(["loaded", "killed", "failed", "crash", "switched", "replaced"]), max_size=60))
+    def test_a_failure_counts_only_the_failures_since_its_run_last_ended(self, steps) -> None:
+        # Any history: a failed load counts the failed loads since the model
+        # last loaded; a crash counts the crashes since a child of it last
+        # served until the agent stopped it.  Nothing else counts.
+        policy = RestartPolicy()
+        loads = crashes = 0
+        for n, step in enumerate(steps):
+            now = 10.0 * n
+            if step == "loaded":
+                policy.loaded("a")
+                loads = 0
+            elif step in ("killed", "failed"):
+                schedule = Schedule.RESTART if step == "killed" else Schedule.LOAD
+                loads += 1
+                backoff = policy.record_failure("a", now, History.LOAD, schedule)
+                self.assertEqual((backoff.failures, backoff.delay), (loads, schedule_delay(schedule, loads)))
+            elif step == "crash":
+                crashes += 1
+                self.assertEqual(policy.record_failure("a", now, History.CRASH, Schedule.RESTART,
+                                                       ready_at=now - 1).failures, crashes)
+            else:
+                policy.stopped("a", now, ready_at=now - 1, healthy=step == "switched")
+                crashes = 0 if step == "switched" else crashes
+            self.assertIsNone(policy.backoff("b", now), "another model is never held back")
+
+    def test_the_schedules_as_the_docs_give_them(self) -> None:
+        self.assertEqual(schedule_steps(Schedule.RESTART), (0, 1, 2, 4, 8, 16, 32, 60))
+        self.assertEqual(schedule_steps(Schedule.LOAD), (15, 300, 600))
+        self.assertEqual(schedule_text(Schedule.LOAD), "15 s, 300 s, 600 s (then the last, each time)")
+
+    def test_the_record_says_why_and_until_when(self) -> None:
+        policy = RestartPolicy()
+        policy.record_failure("a", 0.0, History.LOAD, Schedule.RESTART)
+        backoff = policy.record_failure("a", 5.0, History.LOAD, Schedule.RESTART, code="model_load_failed",
+                                        message="killed by SIGKILL while loading")
+        self.assertEqual(backoff.why(), "2nd failed load in a row; step 2 of the restart schedule "
+                                        "(0 s, 1 s, 2 s, 4 s, 8 s, 16 s, 32 s, 60 s (then the last, each time))")
+        self.assertEqual(backoff.to_json(5.5), {
+            "model": "a", "until": 6.0, "retry_after_s": 1, "failures": 2, "history": "load",
+            "schedule": "restart", "step": 2, "code": "model_load_failed",
+            "message": "killed by SIGKILL while loading"})
+        self.assertEqual(policy.active(5.5), [backoff])
+        self.assertEqual(policy.active(6.0), [], "over at its end")
 
     def test_a_port_collision_is_retried_a_bounded_number_of_times(self) -> None:
         policy = RestartPolicy()

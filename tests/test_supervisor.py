@@ -700,3 +700,144 @@ class DeliveryTests(SynchronousTestCase):
         self.assertEqual(json.dumps({"state": READY}), '{"state": "ready"}')
         self.assertEqual((f"{STOPPING}", str(FAILED), READY == "ready"), ("stopping", "failed", True))
         self.assertEqual(self.h.sup.snapshot()["state"], "stopped")
+
+
+class BackOffTests(SynchronousTestCase):
+    """Issue 31: what counts as a failure in a row, and what a back-off holds back."""
+
+    def setUp(self):
+        self.h = Harness()
+
+    def fail_load(self, model, how=None):
+        """Ask for ``model``; its load ends on its own (``how``: exit status
+        1, or killed by that signal).  Returns the waiter's error."""
+        h = self.h
+        h.probe.ready = set()
+        d = h.sup.ensure(model)
+        if h.sup.state == STOPPING:  # a switch: the child before it goes first
+            h.reactor.last.exit(0)
+        self.assertEqual((h.sup.state, h.sup.model), (STARTING, model))
+        h.reactor.last.exit(1) if how is None else h.reactor.last.exit(signal=how)
+        return self.failureResultOf(d, errors.ApiError).value
+
+    def load(self, model):
+        h = self.h
+        d = h.sup.ensure(model)
+        if h.sup.state == STOPPING:
+            h.reactor.processes[-1].exit(0)
+        h.make_ready(model.model_id)
+        return self.successResultOf(d)
+
+    def test_a_child_the_agent_stopped_never_counts_whatever_its_exit_status(self):
+        h = self.h
+        ends = [dict(code=1), dict(code=0), dict(signal=signal.SIGKILL), dict(signal=signal.SIGTERM),
+                dict(signal=signal.SIGSEGV), dict(code=137)]
+        for end in ends:
+            # A switch away from a ready child, and a stop of a loading one.
+            self.load(h.a)
+            d = h.sup.ensure(h.b)
+            h.reactor.advance(0.25)  # the second SIGTERM
+            h.reactor.processes[-2 if h.sup.state != STOPPING else -1].exit(**end)
+            h.make_ready("b")
+            self.successResultOf(d)
+            h.probe.ready = set()
+            d = h.sup.ensure(h.a)
+            stopped = h.sup.stop()
+            h.reactor.last.exit(**end)
+            self.successResultOf(stopped)
+            self.failureResultOf(d, errors.ApiError)
+            self.assertEqual((h.sup.state, h.sup.backoffs(), h.sup.restarts), (STOPPED, [], 0), end)
+        self.assertEqual(self.fail_load(h.a).retry_after, 15, "a's first failure in a row")
+        self.assertEqual(h.sup.load_failures, 1)
+
+    def test_a_load_that_becomes_ready_ends_the_run_of_failed_loads(self):
+        h = self.h
+        self.assertEqual(self.fail_load(h.a).retry_after, 15)
+        h.reactor.advance(15)
+        self.load(h.a)
+        self.load(h.b)
+        self.assertEqual(self.fail_load(h.a).retry_after, 15, "the first failure since a last loaded, not the 2nd")
+        h.reactor.advance(15)
+        self.assertEqual(self.fail_load(h.a).retry_after, 300, "two in a row with no load between")
+
+    def test_kills_from_outside_in_a_row_back_off_but_a_load_between_them_starts_over(self):
+        h = self.h
+        for n in range(1, 5):
+            error = self.fail_load(h.a, signal.SIGKILL)
+            self.assertEqual(error.retry_after, retry_after_for(restart_delay(n)))
+            h.reactor.advance(restart_delay(n))
+        self.load(h.a)
+        self.load(h.b)
+        self.fail_load(h.a, signal.SIGKILL)
+        self.assertEqual(h.sup.backoffs(), [], "retried at once")
+        self.load(h.a)
+
+    def test_a_model_backing_off_is_refused_in_any_state_and_the_device_goes_on_serving_others(self):
+        h = self.h
+        self.fail_load(h.a)
+        self.load(h.b)
+        child = h.reactor.last
+        failure = self.failureResultOf(h.sup.ensure(h.a), errors.ApiError)
+        self.assertEqual((failure.value.status, failure.value.retry_after), (503, 15))
+        self.assertEqual((h.sup.state, h.sup.model), (READY, h.b), "b's child is not stopped for a refused load")
+        self.assertEqual(child.signals, [])
+        d = h.sup.ensure(h.b)
+        self.assertEqual(self.successResultOf(d).pid, child.pid)
+        # While b loads, too.
+        h.sup.stop()
+        child.exit(0)
+        h.probe.ready = set()
+        loading = h.sup.ensure(h.b)
+        self.assertEqual(self.failureResultOf(h.sup.ensure(h.a), errors.ApiError).value.retry_after, 15)
+        self.assertEqual(h.sup.state, STARTING)
+        h.make_ready("b")
+        self.successResultOf(loading)
+
+    def test_a_crash_loop_still_backs_off_but_a_child_that_served_until_switched_away_ends_the_run(self):
+        h = self.h
+        self.load(h.a)
+        h.reactor.last.exit(signal=signal.SIGSEGV)
+        self.assertEqual(h.sup.state, STOPPED, "the first crash is retried at once")
+        self.load(h.a)
+        self.load(h.b)  # a served until the agent switched away from it
+        self.load(h.a)
+        h.reactor.last.exit(signal=signal.SIGSEGV)
+        self.assertEqual(h.sup.state, STOPPED, "first crash in a row again")
+        self.load(h.a)
+        h.reactor.last.exit(signal=signal.SIGSEGV)
+        self.assertEqual(h.sup.state, FAILED, "a crash loop backs off")
+        self.assertEqual(self.failureResultOf(h.sup.ensure(h.a), errors.ApiError).value.retry_after, 1)
+
+    def test_a_child_replaced_for_failing_its_health_probe_does_not_end_the_run_of_crashes(self):
+        h = self.h
+        self.load(h.a)
+        h.reactor.last.exit(signal=signal.SIGSEGV)
+        self.load(h.a)
+        h.probe.ready = set()
+        self.assertTrue(self.successResultOf(h.sup.replace_if_unhealthy()))
+        h.reactor.last.exit(0)
+        self.load(h.a)
+        h.reactor.last.exit(signal=signal.SIGSEGV)
+        self.assertEqual(h.sup.state, FAILED, "2nd crash in a row: the replacement was no success")
+
+    def test_the_log_line_says_why_the_failure_count_and_the_schedule_step(self):
+        from twisted.logger import capturedLogs, formatEvent
+
+        h = self.h
+        with capturedLogs() as events:
+            self.fail_load(h.a, signal.SIGKILL)
+            h.reactor.advance(0)
+            self.fail_load(h.a, signal.SIGKILL)
+        lines = [formatEvent(e) for e in events if "step" in e]
+        self.assertEqual(lines, [
+            "a will be loaded again on gpu:0 at the next request: 1st failed load in a row; step 1 of the "
+            "restart schedule (0 s, 1 s, 2 s, 4 s, 8 s, 16 s, 32 s, 60 s (then the last, each time))",
+            "a backs off on gpu:0 for 1s, loads refused until then: 2nd failed load in a row; step 2 of the "
+            "restart schedule (0 s, 1 s, 2 s, 4 s, 8 s, 16 s, 32 s, 60 s (then the last, each time))",
+        ])
+        self.assertEqual([(e["failures"], e["step"], e["schedule"]) for e in events if "step" in e],
+                         [(1, 1, "restart"), (2, 2, "restart")])
+
+
+def retry_after_for(delay):
+    return max(1, int(delay + 0.999))
