@@ -516,7 +516,8 @@ class NodeConfig:
                                          "Stop a child idle this long; a model may override it.",
                                          default_doc="unset (keep loaded)")
     #: ``""`` only before :func:`check_environment` (which puts in the XDG default).
-    state_dir: str = key("", _string, "path", "Where pid files of children live.",
+    state_dir: str = key("", _string, "path", "Where the pid files of children and the agent's lock live: "
+                         "one agent per folder (a second one on it refuses to start).",
                          default_doc="`$XDG_STATE_HOME/rolemesh-node` or `~/.local/state/rolemesh-node`",
                          nullable=True)
     log_format: str = key("text", _one_of(*LOG_FORMATS), "`text` or `json`", "Log line format.")

@@ -55,7 +55,7 @@ from rolemesh.listener import GuardedSite, listening_service
 from rolemesh.metrics import NodeMetrics
 from rolemesh.node import Node
 from rolemesh.payloads import heartbeat_payload, registration_payload
-from rolemesh.pidfiles import PidFiles
+from rolemesh.pidfiles import PidFiles, StateDirLock
 from rolemesh.proxy import Proxy
 from rolemesh.reactor import UsesReactor
 from rolemesh.readiness import Readiness, decide
@@ -187,6 +187,8 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
         #: Set by the entry points (not in tests): once running, move what
         #: start-up built out of the garbage collector's sight (gc.freeze).
         self.freeze_heap = False
+        #: This agent's hold on ``state_dir`` (let go once the children stopped).
+        self.state_lock: Optional[StateDirLock] = None
 
     def privilegedStartService(self) -> None:  # noqa: N802 - Twisted's name
         """twistd's first call, where the port is bound: a port that cannot be
@@ -375,6 +377,8 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
         await self._stop_step("closing connections to the children", self.proxy.close)
         if self.node.running:
             await self._stop_step("stopping the llama-server children", self.node.stopService)
+        if self.state_lock is not None:
+            self.state_lock.release()
         self._phase = "stopped"
         for sig, previous in self._previous_handlers:
             try:
@@ -409,8 +413,32 @@ def make_service(
     names = [d.name for d in devices]
     check_service_config(config, names)
     binary = binary if binary is not None else _llama_server(config, backend, devices)
-    supervisors = _supervisors(config, backend, devices, binary, supervisor_factory or DeviceSupervisor, reactor)
-    node = _node(config, backend, devices, supervisors, reactor)
+    # Before the sweep: a second agent on the same folder stops here (one
+    # line, exit 2) instead of killing the first one's children.
+    lock = StateDirLock.acquire(config.state_dir)
+    try:
+        supervisors = _supervisors(config, backend, devices, binary, supervisor_factory or DeviceSupervisor, reactor)
+        node = _node(config, backend, devices, supervisors, reactor)
+        root = _assemble(config, backend, devices, node, reactor, config_paths, environ, reload_overrides, names)
+    except BaseException:
+        lock.release()
+        raise
+    root.state_lock = lock
+    return root
+
+
+def _assemble(
+    config: NodeConfig,
+    backend: IDeviceBackend,
+    devices: Sequence[DeviceRef],
+    node: Node,
+    reactor: Optional[IAgentReactor],
+    config_paths: Tuple[Optional[str], Optional[str]],
+    environ: Optional[Mapping[str, str]],
+    reload_overrides: Optional[Mapping[str, Any]],
+    names: Sequence[str],
+) -> NodeAgentService:
+    """The root service over ``node``: proxy, API, listener, dispatcher, reloader."""
     max_parallel = max([m.parallel for m in config.models] or [1])
     proxy = Proxy(reactor=reactor, max_per_host=max(2, max_parallel), coalesce_s=config.stream_coalesce_ms / 1000.0)
 
