@@ -24,6 +24,7 @@ which installs the reactor's own handlers over anything installed earlier.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import os
@@ -45,7 +46,7 @@ from rolemesh import __version__, llama_build
 from rolemesh.api import NodeAPI
 from rolemesh.backends import BackendUnavailable
 from rolemesh.backends.groups import groups_of
-from rolemesh.config import NodeConfig
+from rolemesh.config import NodeConfig, load_config
 from rolemesh.devices import DeviceRef
 from rolemesh.dispatcher import DispatcherClient
 from rolemesh.errors import ConfigError
@@ -401,11 +402,13 @@ def make_service(
     config_paths: Tuple[Optional[str], Optional[str]] = (None, None),
     environ: Optional[Mapping[str, str]] = None,
     reload_overrides: Optional[Mapping[str, Any]] = None,
+    model_files: Sequence[str] = (),
 ) -> NodeAgentService:
     """Build the whole service tree; raises ConfigError for start-up problems.
 
     ``config_paths`` (base, override) are the files a reload re-reads, and
-    ``reload_overrides`` what the command line set over them (``--log-format``);
+    ``reload_overrides`` and ``model_files`` what the command line set over
+    them (``--log-format``, the ``--model`` files a reload adds again);
     ``environ`` is where systemd's NOTIFY_SOCKET / WATCHDOG_USEC are read.
     """
     check_service_config(config)
@@ -419,7 +422,8 @@ def make_service(
     try:
         supervisors = _supervisors(config, backend, devices, binary, supervisor_factory or DeviceSupervisor, reactor)
         node = _node(config, backend, devices, supervisors, reactor)
-        root = _assemble(config, backend, devices, node, reactor, config_paths, environ, reload_overrides, names)
+        root = _assemble(config, backend, devices, node, reactor, config_paths, environ, reload_overrides, names,
+                         model_files)
     except BaseException:
         lock.release()
         raise
@@ -437,6 +441,7 @@ def _assemble(
     environ: Optional[Mapping[str, str]],
     reload_overrides: Optional[Mapping[str, Any]],
     names: Sequence[str],
+    model_files: Sequence[str],
 ) -> NodeAgentService:
     """The root service over ``node``: proxy, API, listener, dispatcher, reloader."""
     max_parallel = max([m.parallel for m in config.models] or [1])
@@ -449,7 +454,7 @@ def _assemble(
         root.dispatcher = _dispatcher(config, node, registration, reactor)
         root.dispatcher.setServiceParent(root)
     root.notifier = SystemdNotifier(root.status_line, environ=environ, reactor=reactor)
-    root.reloader = _reloader(root, node, api, config_paths, reload_overrides, names)
+    root.reloader = _reloader(root, node, api, config_paths, reload_overrides, names, model_files)
     return root
 
 
@@ -566,10 +571,11 @@ def _reloader(
     config_paths: Tuple[Optional[str], Optional[str]],
     overrides: Optional[Mapping[str, Any]],
     names: Sequence[str],
+    model_files: Sequence[str] = (),
 ) -> Reloader:
     """What ``SIGHUP`` and ``POST /v1/node/reload`` run."""
     reloader = Reloader(*config_paths, node=node, api=api, service=root, dispatcher=root.dispatcher,
-                        overrides=overrides,
+                        overrides=overrides, load=functools.partial(load_config, model_files=tuple(model_files)),
                         check=lambda new: check_service_config(new, names))
     # Certificates rotate: a reload re-reads them (new connections get the
     # new ones, connections in flight keep theirs; bad files keep the old).
