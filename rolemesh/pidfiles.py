@@ -142,13 +142,20 @@ class StateDirLock:
             log.warn("cannot lock {path} ({error}); another agent on the same state_dir would not be detected",
                      path=path, error=e.strerror)
             return cls(state_dir, None)
-        record = json.dumps((me or Process.me()).to_json()).encode("ascii")
+        lock = cls(state_dir, fd)
+        lock.record(me)
+        return lock
+
+    def record(self, me: Optional[Process] = None) -> None:
+        """Write the owner (this process) into the lock file: again once
+        running, as ``twistd`` without ``-n`` forks after the service is built."""
+        if self._fd is None:
+            return
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, record, 0)
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, json.dumps((me or Process.me()).to_json()).encode("ascii"), 0)
         except OSError:
             pass  # the lock is what counts; the pid in it is for the message
-        return cls(state_dir, fd)
 
     def release(self) -> None:
         """Let the folder go (the kernel also does when the process ends)."""

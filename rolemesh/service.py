@@ -202,6 +202,8 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
 
     def startService(self) -> None:
         super().startService()
+        if self.state_lock is not None:
+            self.state_lock.record()  # this pid: twistd may have forked since the lock was taken
         host = self.config.listen_host
         listening = getattr(self.listener, "port", None)  # an EndpointListener's IListeningPort
         port = listening.getHost() if listening is not None else None

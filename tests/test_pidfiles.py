@@ -97,6 +97,20 @@ class LockTests(TempDir):
         with open(os.path.join(self.state, LOCK_NAME), encoding="ascii") as f:
             self.assertEqual(json.load(f)["pid"], 4242, "the refused agent leaves the owner's record alone")
 
+    def test_the_children_do_not_inherit_the_lock(self) -> None:
+        """A child that outlived its agent must not keep the folder locked."""
+        lock = StateDirLock.acquire(self.state)
+        self.addCleanup(lock.release)
+        assert lock._fd is not None
+        self.assertFalse(os.get_inheritable(lock._fd))
+
+    def test_the_owner_is_written_again_once_running(self) -> None:
+        lock = StateDirLock.acquire(self.state, me=Process(1, 2))
+        self.addCleanup(lock.release)
+        lock.record()
+        with open(os.path.join(self.state, LOCK_NAME), encoding="ascii") as f:
+            self.assertEqual(json.load(f)["pid"], os.getpid())
+
     def test_released_the_folder_is_free_again(self) -> None:
         StateDirLock.acquire(self.state).release()
         again = StateDirLock.acquire(self.state, me=Process(6, 1))
