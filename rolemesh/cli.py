@@ -74,7 +74,20 @@ def check_report(config: NodeConfig, out: TextIO) -> None:
             pins = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
             name = group_name([d.name for d in members])
             out.write(f"{model.model_id} @ {name}: " + (pins + " " if pins else "") + " ".join(argv) + "\n")
+    for warning in slot_warnings(config):
+        out.write(f"# WARNING: {warning}\n")
     memory_report(config, choice.backend.name, choice.devices, out)
+
+
+def slot_warnings(config: NodeConfig) -> List[str]:
+    """Models whose slots the pending limit keeps from being used: a device
+    admits ``max_pending_requests_per_device`` requests in flight plus queued,
+    so with fewer than ``parallel`` some slots never get a request."""
+    limit = config.max_pending_requests_per_device
+    return [f"{model.model_id}: llama-server gets {model.parallel} slots (parallel) but a device admits "
+            f"{limit} requests (max_pending_requests_per_device): at most {limit} run at once; raise "
+            "max_pending_requests_per_device to use every slot"
+            for model in config.models if model.parallel > limit]
 
 
 def memory_report(config: NodeConfig, backend: str, devices: Sequence[DeviceRef], out: TextIO) -> None:
@@ -154,7 +167,7 @@ def run(config: NodeConfig, config_paths: Tuple[Optional[str], Optional[str]] = 
 
     event_loop.install()  # before the global reactor is first imported
     from twisted.internet import reactor
-    from twisted.logger import globalLogBeginner
+    from twisted.logger import Logger, globalLogBeginner
 
     from rolemesh.interfaces import IAgentReactor
     from rolemesh.logs import make_observer
@@ -167,6 +180,8 @@ def run(config: NodeConfig, config_paths: Tuple[Optional[str], Optional[str]] = 
                            reload_overrides=overrides, model_files=model_files)
     service.freeze_heap = True
     globalLogBeginner.beginLoggingTo([make_observer(config.log_format, sys.stderr)], redirectStandardIO=False)
+    for warning in slot_warnings(config):
+        Logger(namespace="rolemesh.cli").warn("{warning}", warning=warning)
     failed: List[BaseException] = []
 
     def start() -> None:

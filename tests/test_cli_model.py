@@ -90,6 +90,19 @@ class ModelFilesTests(Files):
         self.assertEqual(raw["models"], [{"model_id": "m", "path": "/srv/w/m.gguf"}])
 
 
+class SlotWarningTests(Files):
+    def test_slots_the_pending_limit_keeps_unused_are_named(self) -> None:
+        a = self.gguf("a.gguf")
+        path = self.yaml(f"max_pending_requests_per_device: 2\nmodels:\n"
+                         f"  - {{model_id: four, path: {a}, server_args: {{parallel: 4}}}}\n"
+                         f"  - {{model_id: two, path: {a}, server_args: {{parallel: 2}}}}\n")
+        config = load_config(path, model_files=[a], environ=self.env)
+        self.assertEqual(cli.slot_warnings(config), [
+            "four: llama-server gets 4 slots (parallel) but a device admits 2 requests "
+            "(max_pending_requests_per_device): at most 2 run at once; raise max_pending_requests_per_device "
+            "to use every slot"])
+
+
 class CommandLineTests(Files):
     def main(self, *argv: str) -> Tuple[int, str]:
         err, saved = io.StringIO(), sys.stderr
