@@ -11,12 +11,14 @@ the key to set, exit status 2 -- and the first agent's child is untouched
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
 import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
+from rolemesh import diagnosis
 from tests.fixtures.llama import free_port
 from tests.integration.harness import AgentProcess, pid_alive, require_llama_server, tiny_model, wait_until
 
@@ -78,3 +80,23 @@ class OneHostTests(SynchronousTestCase):
         self.completes(second)
         self.assertEqual(first.child_pids(), [child])
         self.assertTrue(pid_alive(child))
+
+    def test_a_child_killed_by_another_process_is_reported_as_such(self) -> None:
+        """What the first agent said when the second's sweep SIGKILLed its
+        child: no longer "often the kernel's out-of-memory killer"."""
+        agent = self.start("first", state_dir=os.path.join(self.dir, "state-1"))
+        (child,) = agent.child_pids()
+        os.kill(child, signal.SIGKILL)
+        seen = []
+
+        def reported() -> bool:
+            seen[:] = [agent.inventory()["devices"][0]["last_error"]]
+            return bool(seen[0])
+
+        wait_until(reported, 30, what="the crash reported")
+        error = seen[0]
+        self.assertIn("killed by SIGKILL unexpectedly (a signal from another process, not the agent's", error)
+        self.assertNotIn("out-of-memory killer:", error)
+        if diagnosis.oom_counter(os.getpid())() is not None:  # this host counts OOM kills
+            self.assertIn("not the kernel's out-of-memory killer, whose oom_kill count in the cgroup did not rise",
+                          error)
