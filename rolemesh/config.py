@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import socket
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import attr
 import yaml
@@ -521,7 +521,8 @@ class NodeConfig:
                                          "Stop a child idle this long; a model may override it.",
                                          default_doc="unset (keep loaded)")
     #: ``""`` only before :func:`check_environment` (which puts in the XDG default).
-    state_dir: str = key("", _string, "path", "Where pid files of children live.",
+    state_dir: str = key("", _string, "path", "Where the pid files of children and the agent's lock live: "
+                         "one agent per folder (a second one on it refuses to start).",
                          default_doc="`$XDG_STATE_HOME/rolemesh-node` or `~/.local/state/rolemesh-node`",
                          nullable=True)
     log_format: str = key("text", _one_of(*LOG_FORMATS), "`text` or `json`", "Log line format.")
@@ -635,18 +636,62 @@ def _merge_models(base: List[Any], override: List[Any]) -> List[Any]:
 
 
 def load_config(
-    path: str,
+    path: Optional[str],
     override_path: Optional[str] = None,
     *,
+    model_files: Sequence[str] = (),
     check_files: bool = True,
     environ: Optional[Mapping[str, str]] = None,
 ) -> NodeConfig:
     """Load, merge, validate (pure), then check against this host; the CLI,
-    the twistd plugin and reload all call this."""
-    raw = load_yaml(path)
+    the twistd plugin and reload all call this.  ``model_files`` are the
+    command line's ``--model`` files, added to the file's models (``path``
+    None: to an empty config, every key at its default)."""
+    raw = load_yaml(path) if path is not None else {}
     if override_path:
         raw = deep_merge(raw, load_yaml(override_path))
+    if model_files:
+        raw = with_model_files(raw, model_files, check_files=check_files)
     return check_environment(parse(raw), raw, check_files=check_files, environ=environ)
+
+
+def model_id_of(path: str) -> str:
+    """A ``--model`` file's model id: its name without ``.gguf``."""
+    name = os.path.basename(path.rstrip(os.sep))
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") and len(name) > 5 else name
+
+
+def with_model_files(raw: Mapping[str, Any], files: Sequence[str], check_files: bool = True) -> Dict[str, Any]:
+    """``raw`` with a ``models`` entry per ``--model`` file (model id from
+    the file name, every other key at its default), or a one-line
+    ConfigError naming the ``--model`` (a missing file, an id already used)."""
+    models = raw.get("models") or []
+    if not isinstance(models, list):
+        raise _fail("models", "a list of model entries", models)
+    taken: Dict[str, str] = {}
+    for i, entry in enumerate(models):
+        if isinstance(entry, dict):
+            for key_name in ("model_id", "alias"):
+                if isinstance(entry.get(key_name), str):
+                    taken.setdefault(entry[key_name], f"models[{i}].{key_name} in the config")
+    added = []
+    for given in files:
+        where = f"--model {given}"
+        if check_files:
+            if not os.path.exists(given):
+                raise ConfigError(f"{where}: no such file")
+            if not os.path.isfile(given):
+                raise ConfigError(f"{where}: not a regular file (expected a GGUF file)")
+        model_id = model_id_of(given)
+        if not model_id.strip():
+            raise ConfigError(f"{where}: no model id in the file name")
+        if model_id in taken:
+            raise ConfigError(f"{where}: model id {_show(model_id)} (the file name without .gguf) is already "
+                              f"used by {taken[model_id]}; rename the file or give it an entry with its own "
+                              "model_id in a config file")
+        taken[model_id] = f"--model {given}"
+        added.append({"model_id": model_id, "path": os.path.abspath(given)})
+    return {**raw, "models": list(models) + added}
 
 
 # --------------------------------------------------------------------------

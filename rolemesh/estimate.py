@@ -18,8 +18,10 @@ The estimate mirrors what llama-server (llama.cpp) allocates when it loads:
   default).  ``ctx_size`` is the total over all slots (llama-server divides
   it, padded to 256 cells); layers with a sliding window keep only
   ``window + ubatch`` cells -- per slot when the slots do not share one
-  unified cache (an explicit ``parallel`` without ``kv-unified``).
-  Without ``parallel`` llama-server runs 4 slots over a unified cache.
+  unified cache (``kv-unified`` not set).  The agent always gives
+  llama-server ``--parallel`` (the model's ``parallel``, default 1:
+  :mod:`rolemesh.llama_args`), so the slots estimated are the slots the
+  child makes and the requests the agent admits at once.
 - **compute buffer**: the scratch memory of the largest graph (one ubatch):
   logits, the attention scores when flash attention is off, activations.
 - **runtime**: what a child takes on a GPU beyond those buffers, per
@@ -52,8 +54,6 @@ CTX_PAD = 256
 DEFAULT_UBATCH = 512
 DEFAULT_BATCH = 2048
 DEFAULT_CTX = 4096  # only when the GGUF has no context length either
-#: Slots llama-server runs when ``--parallel`` is not given (over a unified cache).
-DEFAULT_SLOTS = 4
 #: Every ``n``-th layer attends to the full context, the others to a window;
 #: llama.cpp's per-architecture defaults (a GGUF key may override them).
 SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "cohere2": 4}
@@ -121,6 +121,9 @@ class MemoryEstimate:
     #: The context the KV cache was sized for (cells, after padding).
     ctx_cells: int = 0
     runtime_bytes: int = 0
+    #: The slots the KV cache and compute buffer were sized for: the
+    #: ``--parallel`` the child gets and the requests the agent runs at once.
+    slots: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -135,6 +138,7 @@ class MemoryEstimate:
             "runtime_bytes": self.runtime_bytes,
             "reserve_bytes": self.reserve_bytes,
             "ctx_cells": self.ctx_cells,
+            "slots": self.slots,
         }
 
     def describe(self) -> str:
@@ -379,14 +383,12 @@ def offloaded_layers(facts: GGUFFacts, gpu_layers: Any) -> int:
 
 
 def _slots(model: ModelConfig) -> Tuple[int, bool]:
-    """(slots, unified cache) as llama-server resolves them."""
-    parallel = _flag(model, "parallel", "np")
+    """(slots, unified cache) as llama-server resolves them for the argv
+    the agent builds: ``--parallel`` is always explicit, so the cache is
+    per slot unless ``kv-unified`` is set."""
     unified = _flag(model, "kv-unified", "kvu")
     not_unified = _flag(model, "no-kv-unified", "no-kvu")
-    if parallel in (None, False) or int(parallel) < 0:
-        slots, shared = DEFAULT_SLOTS, True
-    else:
-        slots, shared = max(1, int(parallel)), False
+    slots, shared = max(1, model.parallel), False
     if unified is True:
         shared = True
     if not_unified is True:
@@ -487,6 +489,7 @@ def estimate(
         compute_bytes=compute_bytes(facts, model, _flash_attn(model, device_kind)),
         reserve_bytes=max(0, reserve_bytes),
         ctx_cells=full,
+        slots=_slots(model)[0],
     )
 
 

@@ -2,8 +2,11 @@
 
 A pure function, so the mapping can be checked exhaustively: structured fields
 become the current llama-server flags, ``server_args`` follow in config order,
-the agent's own ``--model/--host/--port`` and ``--metrics`` come first, and
-device defaults (the cpu backend's ``--cpu-range`` and ``--threads``) apply
+the agent's own ``--model/--host/--port`` and ``--metrics`` come first, then
+``--parallel 1`` where the model does not set ``parallel`` itself (without
+it this llama-server makes 4 slots while the agent admits one request at a
+time: the slots the child has, the estimate and what the agent admits are
+one figure, ``ModelConfig.parallel``), and device defaults (the cpu backend's ``--cpu-range`` and ``--threads``) apply
 only where the model did not set the flag itself.
 """
 
@@ -43,6 +46,10 @@ def structured_args(model: ModelConfig) -> List[str]:
             value = ",".join(_number(v) for v in value)
         argv += ["--" + flags[0], _number(value)]
     return argv
+
+
+#: The two spellings of llama-server's slot count.
+SLOT_FLAGS = frozenset({"parallel", "np"})
 
 
 #: Flags of three letters or fewer that llama-server only knows in long form.
@@ -101,6 +108,8 @@ def build_argv(
     values the device backend wants unless the model sets them itself.
     """
     argv = [binary, "--model", model.path, "--host", host, "--port", str(port)] + list(TELEMETRY_FLAGS)
+    if not flags_set_by(model) & SLOT_FLAGS:
+        argv += ["--parallel", str(model.parallel)]  # the agent's default (1): ModelConfig.parallel
     argv += structured_args(model)
     argv += server_args(model.server_args)
     if device_defaults:

@@ -24,6 +24,7 @@ which installs the reactor's own handlers over anything installed earlier.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import os
@@ -45,7 +46,7 @@ from rolemesh import __version__, llama_build
 from rolemesh.api import NodeAPI
 from rolemesh.backends import BackendUnavailable
 from rolemesh.backends.groups import groups_of
-from rolemesh.config import NodeConfig
+from rolemesh.config import NodeConfig, load_config
 from rolemesh.devices import DeviceRef
 from rolemesh.dispatcher import DispatcherClient
 from rolemesh.errors import ConfigError
@@ -55,7 +56,7 @@ from rolemesh.listener import GuardedSite, listening_service
 from rolemesh.metrics import NodeMetrics
 from rolemesh.node import Node
 from rolemesh.payloads import heartbeat_payload, registration_payload
-from rolemesh.pidfiles import PidFiles
+from rolemesh.pidfiles import PidFiles, StateDirLock
 from rolemesh.proxy import Proxy
 from rolemesh.reactor import UsesReactor
 from rolemesh.readiness import Readiness, decide
@@ -187,6 +188,8 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
         #: Set by the entry points (not in tests): once running, move what
         #: start-up built out of the garbage collector's sight (gc.freeze).
         self.freeze_heap = False
+        #: This agent's hold on ``state_dir`` (let go once the children stopped).
+        self.state_lock: Optional[StateDirLock] = None
 
     def privilegedStartService(self) -> None:  # noqa: N802 - Twisted's name
         """twistd's first call, where the port is bound: a port that cannot be
@@ -199,6 +202,8 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
 
     def startService(self) -> None:
         super().startService()
+        if self.state_lock is not None:
+            self.state_lock.record()  # this pid: twistd may have forked since the lock was taken
         host = self.config.listen_host
         listening = getattr(self.listener, "port", None)  # an EndpointListener's IListeningPort
         port = listening.getHost() if listening is not None else None
@@ -375,6 +380,8 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
         await self._stop_step("closing connections to the children", self.proxy.close)
         if self.node.running:
             await self._stop_step("stopping the llama-server children", self.node.stopService)
+        if self.state_lock is not None:
+            self.state_lock.release()
         self._phase = "stopped"
         for sig, previous in self._previous_handlers:
             try:
@@ -397,11 +404,13 @@ def make_service(
     config_paths: Tuple[Optional[str], Optional[str]] = (None, None),
     environ: Optional[Mapping[str, str]] = None,
     reload_overrides: Optional[Mapping[str, Any]] = None,
+    model_files: Sequence[str] = (),
 ) -> NodeAgentService:
     """Build the whole service tree; raises ConfigError for start-up problems.
 
     ``config_paths`` (base, override) are the files a reload re-reads, and
-    ``reload_overrides`` what the command line set over them (``--log-format``);
+    ``reload_overrides`` and ``model_files`` what the command line set over
+    them (``--log-format``, the ``--model`` files a reload adds again);
     ``environ`` is where systemd's NOTIFY_SOCKET / WATCHDOG_USEC are read.
     """
     check_service_config(config)
@@ -409,8 +418,34 @@ def make_service(
     names = [d.name for d in devices]
     check_service_config(config, names)
     binary = binary if binary is not None else _llama_server(config, backend, devices)
-    supervisors = _supervisors(config, backend, devices, binary, supervisor_factory or DeviceSupervisor, reactor)
-    node = _node(config, backend, devices, supervisors, reactor)
+    # Before the sweep: a second agent on the same folder stops here (one
+    # line, exit 2) instead of killing the first one's children.
+    lock = StateDirLock.acquire(config.state_dir)
+    try:
+        supervisors = _supervisors(config, backend, devices, binary, supervisor_factory or DeviceSupervisor, reactor)
+        node = _node(config, backend, devices, supervisors, reactor)
+        root = _assemble(config, backend, devices, node, reactor, config_paths, environ, reload_overrides, names,
+                         model_files)
+    except BaseException:
+        lock.release()
+        raise
+    root.state_lock = lock
+    return root
+
+
+def _assemble(
+    config: NodeConfig,
+    backend: IDeviceBackend,
+    devices: Sequence[DeviceRef],
+    node: Node,
+    reactor: Optional[IAgentReactor],
+    config_paths: Tuple[Optional[str], Optional[str]],
+    environ: Optional[Mapping[str, str]],
+    reload_overrides: Optional[Mapping[str, Any]],
+    names: Sequence[str],
+    model_files: Sequence[str],
+) -> NodeAgentService:
+    """The root service over ``node``: proxy, API, listener, dispatcher, reloader."""
     max_parallel = max([m.parallel for m in config.models] or [1])
     proxy = Proxy(reactor=reactor, max_per_host=max(2, max_parallel), coalesce_s=config.stream_coalesce_ms / 1000.0)
 
@@ -421,7 +456,7 @@ def make_service(
         root.dispatcher = _dispatcher(config, node, registration, reactor)
         root.dispatcher.setServiceParent(root)
     root.notifier = SystemdNotifier(root.status_line, environ=environ, reactor=reactor)
-    root.reloader = _reloader(root, node, api, config_paths, reload_overrides, names)
+    root.reloader = _reloader(root, node, api, config_paths, reload_overrides, names, model_files)
     return root
 
 
@@ -539,10 +574,11 @@ def _reloader(
     config_paths: Tuple[Optional[str], Optional[str]],
     overrides: Optional[Mapping[str, Any]],
     names: Sequence[str],
+    model_files: Sequence[str] = (),
 ) -> Reloader:
     """What ``SIGHUP`` and ``POST /v1/node/reload`` run."""
     reloader = Reloader(*config_paths, node=node, api=api, service=root, dispatcher=root.dispatcher,
-                        overrides=overrides,
+                        overrides=overrides, load=functools.partial(load_config, model_files=tuple(model_files)),
                         check=lambda new: check_service_config(new, names))
     # Certificates rotate: a reload re-reads them (new connections get the
     # new ones, connections in flight keep theirs; bad files keep the old).

@@ -175,6 +175,8 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
     """Owns one device's llama-server child: spawn, readiness, switch, stop."""
 
     name: str  # the device name; never None here
+    #: Finds the reader of a child's cgroup OOM-kill count (tests replace it).
+    oom_counter = staticmethod(diagnosis.oom_counter)
 
     def __init__(
         self,
@@ -246,6 +248,9 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self._endpoint: Optional[Tuple[Tuple[str, int, int, int], ChildEndpoint]] = None
         #: What a transition has to tell, delivered once it is complete.
         self._outbox = Outbox()
+        #: The child's cgroup OOM-kill count: its reader, and what it said at the spawn.
+        self._oom: Callable[[], Optional[int]] = lambda: None
+        self._oom_before: Optional[int] = None
 
     # -- telling others ---------------------------------------------------------
 
@@ -523,6 +528,8 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
             self._load_failed(errors.model_load_failed(message))
             return
         self._child, self.pid = child, child.pid
+        self._oom = self.oom_counter(self.pid)
+        self._oom_before = self._oom()
         if self._pidfiles is not None and self.pid is not None:
             self._pidfiles.write(self.name, self.pid, argv)
         served_name, base_url = model.served_name, f"http://127.0.0.1:{self.port}"
@@ -615,6 +622,8 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         if self._pidfiles is not None:
             self._pidfiles.remove(self.name)
         exit = exit_of(reason)
+        if exit.signal:  # the kernel says whether its OOM killer sent it
+            exit = exit.with_oom_kills(self._oom_before, self._oom())
         attempt = self.output.attempt()
         self.output.append(f"[rolemesh] llama-server {exit.how}")
         if was == STOPPING or (child is not None and child.asked_to_stop):

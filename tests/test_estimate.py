@@ -30,6 +30,7 @@ from rolemesh.estimate import (
     read_facts,
     tensor_bytes,
 )
+from rolemesh.llama_args import build_argv
 
 Q = gguf.GGMLQuantizationType
 MIB = 1 << 20
@@ -140,6 +141,17 @@ class Recorded(SynchronousTestCase):
         # Padded to 256 cells, as llama.cpp does.
         self.assertEqual(estimate(facts, model(ctx_size=1000), "cpu").ctx_cells, 1024)
 
+    def test_slots_are_the_ones_the_child_gets(self) -> None:
+        """The estimate is sized for the ``--parallel`` the agent passes
+        (1 unless the model sets it), not llama-server's own default of 4."""
+        facts, _ = self.llama()
+        for args, slots in (({}, 1), ({"parallel": 4}, 4), ({"np": 2}, 2)):
+            m = model(ctx_size=8192, server_args=args)
+            e = estimate(facts, m, "cpu")
+            argv = build_argv("llama-server", m, 1)
+            given = argv[argv.index("--parallel" if "np" not in args else "-np") + 1]
+            self.assertEqual((e.slots, e.to_json()["slots"], int(given), m.parallel), (slots,) * 4, args)
+
     def test_ctx_size_is_the_total_over_slots(self) -> None:
         facts, _ = self.llama()
         one = estimate(facts, model(ctx_size=8192, server_args={"parallel": 1}), "cpu").kv_cache_bytes
@@ -199,12 +211,15 @@ class Recorded(SynchronousTestCase):
         self.assertEqual((facts.n_swa, facts.key_length, facts.n_head_kv[0]), (512, 256, 1))
         self.assertEqual([il for il in range(18) if not facts.is_swa(il)], [5, 11, 17])
         self.assertEqual(facts.output_bytes, 640 * 4, "tied embeddings: only the norm is an output tensor")
-        # Default: 4 slots over one unified cache; the window layers keep
-        # window x 4 + ubatch cells.
-        self.assertEqual(kv_cells(facts, model(ctx_size=32768)), (32768, 2560))
+        # Default: the one slot the agent gives llama-server (--parallel 1);
+        # the window layers keep window + ubatch cells.
+        self.assertEqual(kv_cells(facts, model(ctx_size=32768)), (32768, 1024))
         per_cell = 2 * 256 * 2  # K+V, one head of 256, f16
         e = estimate(facts, model(ctx_size=32768), "cpu")
-        self.assertEqual(e.kv_cache_bytes, per_cell * (3 * 32768 + 15 * 2560))
+        self.assertEqual(e.kv_cache_bytes, per_cell * (3 * 32768 + 15 * 1024))
+        # 4 slots over one unified cache: window x 4 + ubatch cells.
+        self.assertEqual(
+            kv_cells(facts, model(ctx_size=32768, server_args={"parallel": 4, "kv-unified": True})), (32768, 2560))
         # Explicit slots that do not share a cache: a window per slot.
         self.assertEqual(kv_cells(facts, model(ctx_size=32768, server_args={"parallel": 2})), (32768, 2 * 1024))
         self.assertEqual(

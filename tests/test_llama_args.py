@@ -31,8 +31,13 @@ def make(**fields: Any) -> ModelConfig:
 
 
 def tail(**fields: Any) -> list:
-    """The argv after the agent's own ``binary --model P --host H --port N --metrics``."""
-    argv = build_argv(BIN, make(**fields), 8081)
+    """The argv after the agent's own ``binary --model P --host H --port N --metrics``
+    (and its ``--parallel 1``, checked here, where the model does not set it)."""
+    model = make(**fields)
+    argv = build_argv(BIN, model, 8081)
+    if not {"parallel", "np"} & flags_set_by(model):
+        assert argv[8:10] == ["--parallel", "1"], argv
+        return argv[10:]
     return argv[8:]
 
 
@@ -45,8 +50,26 @@ class ExampleTests(SynchronousTestCase):
     def test_minimal_model(self) -> None:
         self.assertEqual(
             build_argv(BIN, make(), 8081),
-            [BIN, "--model", PATH, "--host", "127.0.0.1", "--port", "8081", "--metrics", "--alias", "coder"],
+            [BIN, "--model", PATH, "--host", "127.0.0.1", "--port", "8081", "--metrics", "--parallel", "1",
+             "--alias", "coder"],
         )
+
+    def test_slots_are_always_given(self) -> None:
+        """Without ``--parallel`` this llama-server makes 4 slots while the
+        agent admits one request at a time (issue 26): the child is always
+        told, once, in the spelling the model used or as ``--parallel 1``."""
+        for args, expected in (
+            ({}, ["--parallel", "1"]),
+            ({"parallel": None}, ["--parallel", "1"]),
+            ({"parallel": False}, ["--parallel", "1"]),
+            ({"parallel": 4}, ["--parallel", "4"]),
+            ({"np": 3}, ["-np", "3"]),
+        ):
+            model = make(server_args=args)
+            argv = build_argv(BIN, model, 8081)
+            given = [(a, b) for a, b in zip(argv, argv[1:]) if a in ("--parallel", "-np", "--np")]
+            self.assertEqual(given, [tuple(expected)], args)
+            self.assertEqual(int(expected[1]), model.parallel)
 
     def test_agent_flags_come_first(self) -> None:
         argv = build_argv("llama-server", make(ctx_size=4096), 40123, host="127.0.0.2")
@@ -178,7 +201,7 @@ class DeviceDefaultTests(SynchronousTestCase):
     DEFAULTS = {"threads": 8, "cpu-range": "0-7"}
 
     def argv(self, **fields: Any) -> list:
-        return build_argv(BIN, make(**fields), 8081, device_defaults=self.DEFAULTS)[8:]
+        return build_argv(BIN, make(**fields), 8081, device_defaults=self.DEFAULTS)[10:]
 
     def test_defaults_apply_when_the_model_is_silent(self) -> None:
         self.assertEqual(self.argv(), ["--alias", "coder", "--threads", "8", "--cpu-range", "0-7"])
@@ -212,11 +235,11 @@ class DeviceDefaultTests(SynchronousTestCase):
         )
 
     def test_default_spelled_short_still_yields_to_the_model(self) -> None:
-        argv = build_argv(BIN, make(threads=2), 1, device_defaults={"t": 8, "cpu_mask": "ff"})[8:]
+        argv = build_argv(BIN, make(threads=2), 1, device_defaults={"t": 8, "cpu_mask": "ff"})[10:]
         self.assertEqual(argv, ["--alias", "coder", "--threads", "2", "--cpu-mask", "ff"])
 
     def test_a_default_named_twice_appears_once(self) -> None:
-        argv = build_argv(BIN, make(), 1, device_defaults={"threads": 8, "t": 4, "cpu_range": None})[8:]
+        argv = build_argv(BIN, make(), 1, device_defaults={"threads": 8, "t": 4, "cpu_range": None})[10:]
         self.assertEqual(argv, ["--alias", "coder", "--threads", "8"])
 
     def test_device_defaults_never_add_a_second_alias(self) -> None:
@@ -356,6 +379,16 @@ class PropertyTests(SynchronousTestCase):
                 in_defaults = any(k.lstrip("-").replace("_", "-") in names for k in defaults)
                 self.assertEqual(count, 1 if in_args or in_defaults else 0, (field, argv))
         self.assertEqual(argv[argv.index("--alias") + 1], raw.get("alias", raw["model_id"]))
+
+    @given(raw_models(), binaries, ports, device_defaults)
+    def test_the_slot_count_is_given_once_and_is_the_models(
+        self, raw: dict, binary: str, port: int, defaults: dict
+    ) -> None:
+        model = validated(raw)
+        argv = build_argv(binary, model, port, device_defaults=defaults)
+        at = [i for i, token in enumerate(argv) if token in spellings(["parallel", "np"])]
+        self.assertEqual(len(at), 1, argv)
+        self.assertEqual(int(argv[at[0] + 1]), model.parallel)
 
     @given(raw_models(), binaries, ports, st.sampled_from(["127.0.0.1", "::1"]), device_defaults)
     def test_no_forbidden_flag_but_the_agents_own(

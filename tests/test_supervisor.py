@@ -49,6 +49,9 @@ class Harness:
             signal_group=self.signals,
             environ={"PATH": "/usr/bin", "HOME": "/root"},
         )
+        #: The cgroup's OOM-kill count the supervisor reads (no real /proc, /sys).
+        self.oom_kills = [0]
+        self.sup.oom_counter = lambda pid: lambda: self.oom_kills[0]
         self.sup.subscribe(lambda s: self.transitions.append(s.state))
         self.a = self.config.model("a")
         self.b = self.config.model("b")
@@ -841,3 +844,59 @@ class BackOffTests(SynchronousTestCase):
 
 def retry_after_for(delay):
     return max(1, int(delay + 0.999))
+
+
+class OutsideSignalTests(SynchronousTestCase):
+    """A signal the agent did not send is said to come from another process,
+    and from the kernel's out-of-memory killer only when the cgroup's
+    ``oom_kill`` count rose while the child ran (issue 26: an agent's sweep
+    SIGKILLed another's child, reported as "often the OOM killer")."""
+
+    def setUp(self):
+        self.h = Harness()
+
+    def loading_killed(self, rise: int, sig: int = signal.SIGKILL) -> str:
+        d = self.h.sup.ensure(self.h.a)
+        self.h.oom_kills[0] += rise
+        self.h.reactor.last.exit(signal=sig)
+        return self.failureResultOf(d, errors.ApiError).value.message
+
+    def test_sigkill_without_an_oom_kill_is_another_process(self):
+        message = self.loading_killed(rise=0)
+        self.assertIn("killed by SIGKILL while loading", message)
+        self.assertIn("a signal from another process, not the agent's", message)
+        self.assertIn("not the kernel's out-of-memory killer", message)
+
+    def test_sigkill_with_the_oom_count_rising_is_the_oom_killer(self):
+        message = self.loading_killed(rise=1)
+        self.assertIn("(the kernel's out-of-memory killer: the cgroup's oom_kill count rose", message)
+        self.assertNotIn("another process", message)
+
+    def test_a_host_that_does_not_count_says_so(self):
+        self.h.sup.oom_counter = lambda pid: lambda: None
+        message = self.loading_killed(rise=0)
+        self.assertIn("a signal from another process", message)
+        self.assertIn("does not count out-of-memory kills", message)
+
+    def test_sigterm_from_outside(self):
+        self.assertIn("killed by SIGTERM while loading on gpu:0 (a signal from another process, not the agent's)",
+                      self.loading_killed(rise=0, sig=signal.SIGTERM))
+
+    def test_a_ready_child_killed_from_outside(self):
+        h = self.h
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        h.reactor.last.exit(signal=signal.SIGKILL)
+        self.assertIn("killed by SIGKILL unexpectedly (a signal from another process", h.sup.last_error)
+        h.sup.ensure(h.a)
+        h.make_ready("a")
+        h.oom_kills[0] += 2
+        h.reactor.last.exit(signal=signal.SIGKILL)
+        self.assertIn("unexpectedly (the kernel's out-of-memory killer", h.sup.last_error)
+
+    def test_the_count_is_read_for_each_child(self):
+        h = self.h
+        pids = []
+        h.sup.oom_counter = lambda pid: pids.append(pid) or (lambda: h.oom_kills[0])
+        h.sup.ensure(h.a)
+        self.assertEqual(pids, [h.reactor.last.pid])

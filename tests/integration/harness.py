@@ -96,14 +96,17 @@ def children_of(pid: int) -> List[int]:
 class AgentProcess:
     """``rolemesh-node-agent`` as a subprocess with a generated config."""
 
-    def __init__(self, directory: str, config: Dict[str, Any], env: Optional[Dict[str, str]] = None):
+    def __init__(self, directory: str, config: Dict[str, Any], env: Optional[Dict[str, str]] = None,
+                 own_state_dir: bool = True):
+        """``own_state_dir`` False leaves ``state_dir`` to the config (else
+        the default, under ``XDG_STATE_HOME``)."""
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
         self.port = free_port()
         config = {
             "node_id": "it-node",
             "listen_port": self.port,
-            "state_dir": os.path.join(directory, "state"),
+            **({"state_dir": os.path.join(directory, "state")} if own_state_dir else {}),
             "llama_server_probe_interval_s": 0.05,
             "backend": "cpu",
             **config,
