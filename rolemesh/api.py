@@ -307,6 +307,8 @@ class NodeAPI:
         return None
 
     def _authorize(self, request: RouteRequest) -> None:
+        if getattr(request, "key_checked", False):  # the listener checked it from the head (refuse_head)
+            return
         error = self._key_error(request.getHeader(b"authorization"))
         if error is not None:
             raise error

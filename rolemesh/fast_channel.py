@@ -204,6 +204,8 @@ class FastRequest:
     ``IRequest`` that the proxy route and the relay use."""
 
     body_too_large = False
+    #: The head policy (the API key) passed it already: the route need not ask again.
+    key_checked = False
     startedWriting = False
     finished = False
     disconnected = False
@@ -554,9 +556,11 @@ class FastChannel(Protocol):
         incoming.version = parser.get_http_version()
         incoming.keep_alive = parser.should_keep_alive()
         headers = incoming.headers
-        error = request_head.head_error(incoming.version, self._hosts, self._expect)
-        if error is not None:
-            raise _Refused(error)
+        error: Optional[ApiError] = None
+        if self._hosts != 1 or self._expect is not None or incoming.version != "1.1":  # else nothing to check
+            error = request_head.head_error(incoming.version, self._hosts, self._expect)
+            if error is not None:
+                raise _Refused(error)
         chunked = b"transfer-encoding" in headers
         length = None if chunked else int(headers.get(b"content-length", b"0"))
         body_follows = chunked or bool(length)
@@ -637,6 +641,7 @@ class FastChannel(Protocol):
             return
         request = FastRequest(self, incoming.method, incoming.target, incoming.headers, incoming.body)
         request._close_after = self._last
+        request.key_checked = self._policy is not None  # it passed refuse_head
         self._current = request
         try:
             result = route(request)

@@ -1,0 +1,41 @@
+"""docs/api.md's table of which routes need the key, against a running agent:
+every route, without a key and with one."""
+
+from __future__ import annotations
+
+import os
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.integration.harness import AgentProcess, require_llama_server, tiny_model
+from tests.test_route_keys import route_key_table
+
+KEY = "route-key"
+
+
+class RouteKeysTests(SynchronousTestCase):
+    def test_every_route_of_the_table_against_the_agent(self) -> None:
+        require_llama_server()
+        directory = os.path.abspath(self.mktemp())
+        agent = AgentProcess(directory, {"api_key": KEY, "models": [
+            {"model_id": "tiny-a", "path": tiny_model(directory, "a", 1)}]})
+        self.addCleanup(agent.stop)
+        table = route_key_table()
+        self.assertGreater(len(table), 10)
+        for (method, path), needed in sorted(table.items()):
+            concrete = path.replace("{device}", "cpu:0")
+            body = {"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                    "prompt": "hi", "input": "hi"} if method == "POST" else None
+            status, headers, answer = agent.request(method, concrete, body)
+            where = f"{method} {path} without a key -> {status} {answer[:200]!r}"
+            if needed:
+                self.assertEqual(status, 401, where)
+                self.assertIn("bearer", headers.get("www-authenticate", "").lower(), where)
+            else:
+                self.assertNotEqual(status, 401, where)
+            status, _, answer = agent.request(method, concrete, body, headers={"Authorization": f"Bearer {KEY}"})
+            self.assertNotIn(status, (401, 404, 405), f"{method} {path} with the key -> {status} {answer[:200]!r}")
+        status, _, _ = agent.request("GET", "/v1/no-such-route")
+        self.assertEqual(status, 401, "no route, no key: 401 before saying which routes exist")
+        status, _, _ = agent.request("GET", "/v1/no-such-route", headers={"Authorization": f"Bearer {KEY}"})
+        self.assertEqual(status, 404)
