@@ -95,6 +95,13 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Headers the canonical copy for twisted.web leaves out (it gets one
 #: Content-Length instead, and no expectation: those were dealt with here).
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
+#: The header names the head rules look at.
+_NOTED = frozenset({b"host", b"expect", b"content-length", b"transfer-encoding"})
+#: Bytes read while a head is incomplete, at most: llhttp hands a header
+#: line over only once it is whole, and httptools holds it meanwhile, so a
+#: head line without end is cut off here (a whole head is at most
+#: MAX_HEAD_BYTES; a read, counted whole, at most 64 KiB).
+_HEAD_READ_LIMIT = request_head.MAX_HEAD_BYTES + (80 << 10)
 
 
 def _phrase(code: int, _cache: Dict[int, bytes] = {}) -> bytes:  # noqa: B006 - a deliberate cache
@@ -402,6 +409,9 @@ class FastChannel(Protocol):
         #: The request being parsed (its head is complete once ``_head_done``).
         self._incoming = _Incoming()
         self._head_done = False
+        #: Between requests or inside a head, and what was read meanwhile (see _HEAD_READ_LIMIT).
+        self._in_head = True
+        self._head_read = 0
         self._head_size = 0
         self._hosts = 0
         self._expect: Optional[bytes] = None
@@ -502,6 +512,10 @@ class FastChannel(Protocol):
             self._stop(request_head.unknown_method())
         except httptools.HttpParserError as e:
             self._stop(request_head.malformed(str(e)))
+        if self._in_head and not self._stopped:
+            self._head_read += len(data)
+            if self._head_read > _HEAD_READ_LIMIT:
+                self._stop(request_head.head_too_large())
         if len(self._queue) > MAX_QUEUED or self._queued_bytes > MAX_QUEUED_BYTES:
             self._pause_reading(_QUEUE_FULL)
         self._pump()
@@ -535,23 +549,27 @@ class FastChannel(Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         incoming = self._incoming
-        incoming.raw.append((name, value))
+        raw = incoming.raw
+        raw.append((name, value))
         self._head_size += len(name) + len(value) + 4
-        if len(incoming.raw) > request_head.MAX_HEADERS or self._head_size > request_head.MAX_HEAD_BYTES:
+        if len(raw) > request_head.MAX_HEADERS or self._head_size > request_head.MAX_HEAD_BYTES:
             raise _Refused(request_head.head_too_large())
         key = name.lower()
-        if key == b"host":
-            self._hosts += 1
-        elif key == b"expect":
-            self._expect = value
-        elif key == b"content-length" or key == b"transfer-encoding":
-            incoming.framed = True
+        if key in _NOTED:
+            if key == b"host":
+                self._hosts += 1
+            elif key == b"expect":
+                self._expect = value
+            else:
+                incoming.framed = True
         incoming.headers[key] = value
 
     def on_headers_complete(self) -> None:
         parser = self._parser
         incoming = self._incoming
         self._head_done = True
+        self._in_head = False
+        self._head_read = 0
         incoming.method = parser.get_method()
         incoming.version = parser.get_http_version()
         incoming.keep_alive = parser.should_keep_alive()
@@ -592,6 +610,7 @@ class FastChannel(Protocol):
         incoming.size = self._head_size + self._size
         self._head_size = self._size = 0
         self._head_done = False
+        self._in_head = True
         self._continue_owed = False
         self._queue.append(incoming)
         self._queued_bytes += incoming.size

@@ -198,6 +198,25 @@ class ChannelTests(SynchronousTestCase):
         self.assertEqual(self.transport.value().count(b"HTTP/1.1 200 OK"), 300)
         self.assertFalse(self.transport.disconnecting)
 
+    def test_a_head_line_without_end_is_cut_off(self) -> None:
+        """llhttp hands a header over only once its line ends (httptools holds
+        it meanwhile): a line that never ends is refused 431 after a bound,
+        not held without one."""
+        self.channel.dataReceived(b"GET /fast HTTP/1.1\r\nHost: x\r\nX-Long: ")
+        for _ in range(100):
+            self.channel.dataReceived(b"a" * 4096)
+        self.assertTrue(self.transport.value().startswith(b"HTTP/1.1 431 "), self.transport.value()[:100])
+        self.assertTrue(self.transport.disconnecting)
+        self.assertLess(self.channel._head_read, 200 << 10)
+
+    def test_many_requests_in_many_reads_are_no_long_head(self) -> None:
+        got = Route()
+        self.site.fast_routes[(b"GET", b"/now")] = lambda request: succeed(b"ok")
+        for _ in range(2000):  # 2000 requests in reads of 30: never a head of more than 30 bytes
+            self.channel.dataReceived(b"GET /now HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(self.transport.value().count(b"HTTP/1.1 200 OK"), 2000)
+        self.assertEqual(got.requests, [])
+
     def test_a_client_that_does_not_read_stops_being_read(self) -> None:
         self.channel.dataReceived(post())
         (request,) = self.route.requests
