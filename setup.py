@@ -23,7 +23,7 @@ setup(
         # releases rolemesh.twisted_compat was checked against are 26.x (a newer doPoll falls back anyway).
         "twisted[tls]>=24.3,<27",
         "cryptography>=42",  # certificate checks (rolemesh.tls); tests generate certificates with it
-        "httptools>=0.6",  # llhttp: the listener's request parser (rolemesh.fast_channel)
+        "httptools>=0.6.3",  # llhttp: the listener's parser (rolemesh.fast_channel); older ones are lax
         "klein>=23.5",
         "treq>=23.11",
         "pyyaml>=6.0",

@@ -65,5 +65,42 @@ def head_error(version: str, hosts: int, expect: Optional[bytes]) -> Optional[Ap
     return None
 
 
-__all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "VERSIONS", "body_too_large", "head_error", "head_too_large",
-           "malformed", "unknown_method"]
+#: Heads the parser must refuse (httptools before 0.6.3 bundles an llhttp
+#: that takes some of them): checked once, when the listener is built.
+MUST_REFUSE = (
+    b"GET / HTTP/1.1\nHost: x\n\n",  # bare LF
+    b"GET / HTTP/1.1\r\nHost: x\rY: 1\r\n\r\n",  # lone CR
+    b"GET / HTTP/1.1\r\nHost: x\r\nY: a\x00b\r\n\r\n",  # NUL
+    b"GET / HTTP/1.1\r\nHost: x\r\nContent Type: v\r\n\r\n",  # a space in a name
+    b"GET / HTTP/1.1\r\nHost: x\r\nY : v\r\n\r\n",  # a space before the colon
+    b"GET / HTTP/1.1\r\nHost: x\r\n: v\r\n\r\n",  # an empty name
+    b"GET / HTTP/1.1\r\nHost: x\r\nY: a\r\n b\r\n\r\n",  # obs-fold
+    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: \x0c1\r\n\r\na",  # not 1*DIGIT
+    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\na",  # twice
+    b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n\r\n",  # not ending in chunked
+    b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 1\r\n\r\n0\r\n\r\n",
+    b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0x1\r\na\r\n0\r\n\r\n",  # not hex
+)
+
+
+def lax_parser() -> Optional[str]:
+    """Why the installed ``httptools`` cannot be the listener's parser (it
+    takes a head of :data:`MUST_REFUSE`), or None."""
+    import httptools
+
+    class _Ignore:
+        pass
+
+    for head in MUST_REFUSE:
+        try:
+            httptools.HttpRequestParser(_Ignore()).feed_data(head)
+        except httptools.HttpParserError:
+            continue
+        version = getattr(httptools, "__version__", "?")
+        return (f"httptools {version} accepts {head[:60]!r}, which the listener must refuse: "
+                "install httptools>=0.6.3")
+    return None
+
+
+__all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "MUST_REFUSE", "VERSIONS", "body_too_large", "head_error",
+           "head_too_large", "lax_parser", "malformed", "unknown_method"]

@@ -61,6 +61,7 @@ from rolemesh.proxy import Proxy
 from rolemesh.reactor import UsesReactor
 from rolemesh.readiness import Readiness, decide
 from rolemesh.reload import Reloader, ReloadResult
+from rolemesh.request_head import lax_parser
 from rolemesh.supervisor import FAILED, STOPPED, DeviceSupervisor
 from rolemesh.systemd import SystemdNotifier, status_line
 from rolemesh.tls import ServerTLS, dispatcher_tls_policy
@@ -543,7 +544,11 @@ def _serve_api(
     reactor: Optional[IAgentReactor],
 ) -> NodeAPI:
     """The HTTP API with its metrics, and the listener serving it (TLS with a
-    certificate: ConfigError on bad files), as children of ``root``."""
+    certificate: ConfigError on bad files), as children of ``root``.  An
+    installed HTTP parser laxer than the listener needs is a ConfigError too."""
+    lax = lax_parser()
+    if lax is not None:
+        raise ConfigError(lax)
     metrics = NodeMetrics(node, root)
     api = root.api = NodeAPI(config, node, proxy, registration=registration, render_metrics=metrics.render,
                   observers=[metrics.observe], readiness=root.readiness, reload=root.reload)

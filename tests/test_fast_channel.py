@@ -53,6 +53,19 @@ def head_and_body(raw: bytes) -> tuple:
     return lines[0], headers, body
 
 
+class ParserTests(SynchronousTestCase):
+    def test_the_installed_parser_is_strict_enough(self) -> None:
+        from rolemesh.request_head import lax_parser
+
+        self.assertIsNone(lax_parser())
+
+    def test_a_lax_parser_is_named(self) -> None:
+        from rolemesh import request_head
+
+        self.patch(request_head, "MUST_REFUSE", (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",))  # a valid head
+        self.assertIn("install httptools>=0.6.3", request_head.lax_parser() or "")
+
+
 class AnyBytesTests(SynchronousTestCase):
     @given(st.binary(max_size=300), st.integers(min_value=1, max_value=300))
     def test_any_bytes_are_answered_or_awaited_never_raised(self, data: bytes, split: int) -> None:

@@ -197,7 +197,7 @@ class DifferentialTests(SynchronousTestCase):
             self.assertFalse(p and p[-1] >= 400 and plain.closed,
                              "twisted.web refused and closed, the agent went on" + where)
 
-    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
     @given(streams)
     def test_same_framing_as_twisted_web_or_stricter(self, stream: Tuple[List[Tuple[bytes, Optional[str]]], int]
                                                      ) -> None:
