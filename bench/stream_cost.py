@@ -15,7 +15,9 @@ causes:
 * the pace of the tokens: the tiny test model streams thousands of tokens a
   second, so an 8 ms coalescing window gathers dozens of events into one
   read; a real model (``--gemma``: Gemma 3 270M, ~40 tokens/s here; a GPU
-  model ~50-200) sends one event per window, and coalescing saves nothing.
+  model ~50-200) sends one event per window, and coalescing saves nothing
+  (``--paced 0.02``: the test suite's fake llama-server, one event every
+  20 ms, the pace without a real model's CPU on the same two cores).
 
 For each ``stream_coalesce_ms`` in ``--coalesce`` (default ``0,8``) it
 starts the agent (a real process, the tiny generated model) and measures,
@@ -173,6 +175,10 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
     from tests.fixtures.tiny_gguf import write_tiny_gguf
 
     binary = args.llama_server or llama_server_binary()
+    if args.paced:  # the test suite's fake llama-server, one event every --paced seconds
+        from tests.fixtures.llama import write_fake_llama_server_bin
+
+        binary = write_fake_llama_server_bin(workdir, flags=f"slow_tokens={args.paced}")
     if binary is None:
         print("SKIP: no llama-server binary found (scripts/install-llama-server.sh, or pass --llama-server)")
         return 0
@@ -183,7 +189,9 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
     else:
         model = write_tiny_gguf(os.path.join(workdir, "tiny.gguf"), seed=1, name=MODEL_ID,
                                 n_ctx=max(2048, args.long_tokens + 64))
-    print(f"{'Gemma 3 270M' if args.gemma else 'the tiny test model'}; {args.blocks} blocks of {args.streams} "
+    source = (f"the fake llama-server, one event every {args.paced * 1e3:g} ms" if args.paced else
+              "Gemma 3 270M" if args.gemma else "the tiny test model")
+    print(f"{source}; {args.blocks} blocks of {args.streams} "
           f"streams per method and proxy, alternating; medians; CPU per SSE event a client counted, and x the bare "
           f"relay's (the same child, the same method)\n")
     print(f"coalesce_ms proxy  | kept-alive, {args.long_tokens}-token (capacity.py) | fresh connection, "
@@ -211,6 +219,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="stream from Gemma 3 270M (the demo extra) instead of the tiny model: tokens at the "
                              "pace of a real model")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--paced", type=float, default=0.0, metavar="SECONDS",
+                        help="stream from the test suite's fake llama-server, one event every SECONDS (e.g. 0.02: "
+                             "50 tokens/s, a real model's pace, without a real model's CPU)")
     args = parser.parse_args(argv)
     return run_in_workdir(run, args, "stream-cost-")
 

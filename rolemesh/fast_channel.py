@@ -90,6 +90,7 @@ MAX_QUEUED_BYTES = 1 << 20
 #: Why reading is paused (bits of ``FastChannel._read_paused``).
 _QUEUE_FULL = 1
 _WRITES_BLOCKED = 2
+_STOPPED = 4  # nothing more will be read: a refusal waits its turn, then the connection closes
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Headers the canonical copy for twisted.web leaves out (it gets one
@@ -528,6 +529,7 @@ class FastChannel(Protocol):
         self._queue.append(refused)
         self._stopped = True
         self._continue_owed = False
+        self._pause_reading(_STOPPED)  # the rest of a refused body is not even read off the socket
 
     # -- llhttp's callbacks: one request at a time ----------------------------
 

@@ -211,6 +211,13 @@ class ChannelTests(SynchronousTestCase):
         self.assertEqual(self.transport.value().count(b"HTTP/1.1 200 OK"), 300)
         self.assertFalse(self.transport.disconnecting)
 
+    def test_a_refusal_behind_an_answer_stops_reading_until_its_turn(self) -> None:
+        self.channel.dataReceived(post() + b"POST /fast HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n")
+        self.assertEqual(self.transport.producerState, "paused", "the refused body is not read meanwhile")
+        self.route.results[0].callback(b"one")
+        self.assertIn(b"HTTP/1.1 413 ", self.transport.value())
+        self.assertTrue(self.transport.disconnecting)
+
     def test_a_head_line_without_end_is_cut_off(self) -> None:
         """llhttp hands a header over only once its line ends (httptools holds
         it meanwhile): a line that never ends is refused 431 after a bound,
