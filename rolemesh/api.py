@@ -28,6 +28,7 @@ from twisted.web.resource import IResource, Resource
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from rolemesh import errors
+from rolemesh.adapters import adapter_entries, with_lora
 from rolemesh.config import NodeConfig
 from rolemesh.events import Events
 from rolemesh.fast_channel import FastRoute
@@ -430,6 +431,7 @@ class NodeAPI:
             if model.alias:
                 entry["aliases"] = [model.alias]
             data.append(entry)
+            data.extend(adapter_entries(entry, model))
         return _json(request, 200, {"object": "list", "data": data})
 
     @app.route("/v1/node/inventory", methods=["GET"])
@@ -601,6 +603,8 @@ class NodeAPI:
             payload = parse_body(body, self.config.max_request_body_bytes)
             model = self.node.resolve(payload["model"])
             record.model = model.model_id
+            if model.lora_adapters:  # the agent sets the adapters' scales (one attribute test for the others)
+                body = with_lora(payload, model)
             lease = self.node.lease_now(model)
             acquired = self.node.acquire(model) if lease is None else None
         except Exception:
