@@ -125,7 +125,8 @@ def parse_body(body: bytes, limit: int) -> Dict[str, Any]:
 
 
 class _Utf8Guard(Resource):
-    """Answers a URL path or Host header that is not UTF-8 with a JSON 400.
+    """Answers a URL path or Host header that is not UTF-8 (or a Host that is
+    no IDNA name) with a JSON 400.
 
     Klein answers those itself in plain text, and logs each as an error.
     """
@@ -139,8 +140,8 @@ class _Utf8Guard(Resource):
     def render(self, request: IRequest) -> Union[bytes, int]:
         try:
             b"/".join(request.prepath + request.postpath).decode("utf-8")
-            request.getRequestHostname().decode("utf-8")
-        except UnicodeDecodeError:
+            request.getRequestHostname().decode("utf-8").encode("idna")  # werkzeug's routing needs an IDNA name
+        except UnicodeError:
             return _error(request, errors.ApiError(400, "the URL path or Host header is not valid UTF-8",
                                                    "invalid_request_error", "invalid_url"))
         return self._inner.render(request)
