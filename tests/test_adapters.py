@@ -310,3 +310,9 @@ class LoraFixtureTests(SynchronousTestCase):
             first = f.read()
         with open(write_tiny_lora(os.path.join(tmp, "again.gguf"), seed=3, rank=2), "rb") as f:
             self.assertEqual(f.read(), first)
+
+
+class FastChannelAdapterApiTests(AdapterApiTests):
+    """The same through the listener's fast channel (the agent's usual path)."""
+
+    fast = True
