@@ -208,6 +208,27 @@ class AdapterApiTests(ApiTestCase):
         self.assertEqual(self.h.reactor.processes, spawned)
         self.assertEqual(self.h.node_h.sup().state, READY)
 
+    def test_a_reload_that_adds_an_adapter_gives_the_base_a_new_child_on_next_use(self) -> None:
+        self.loaded("base")
+        added = ADAPTERS + [{"id": "base:new", "path": "/models/new.gguf"}]
+        config = make_config([dict(BASE, lora_adapters=added), PLAIN])
+        self.h.node.reconfigure(config)
+        self.h.api.use_config(config)
+        pending = self.h.send("POST", "/v1/chat/completions", {"model": "base:new", **CHAT})
+        for _ in range(20):  # the old child stops, the new one starts and answers its probe
+            self.h.treq.flush()
+            for process in self.h.reactor.processes:
+                if process.signals and not process.ended:
+                    process.exit(0)
+            self.h.reactor.advance(0.5)
+        self.assertEqual(self.h.finish(pending).code, 200)
+        newest = self.h.reactor.processes[-1].argv
+        self.assertEqual(len(self.h.reactor.processes), 2)
+        self.assertEqual(newest[newest.index("--lora") + 1],
+                         "/models/formal.gguf,/models/terse.gguf,/models/new.gguf")
+        self.assertEqual(json.loads(self.h.agent.last.body)["lora"],
+                         [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}, {"id": 2, "scale": 1.0}])
+
     def test_a_cold_adapter_request_loads_its_base(self) -> None:
         h = self.h
         pending = h.send("POST", "/v1/chat/completions", {"model": "base:terse", **CHAT})
