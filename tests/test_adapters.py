@@ -10,6 +10,7 @@ import os
 from typing import Any, Dict, List
 
 import gguf
+import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.adapters import adapter_named, lora_field, with_lora
@@ -337,3 +338,19 @@ class FastChannelAdapterApiTests(AdapterApiTests):
     """The same through the listener's fast channel (the agent's usual path)."""
 
     fast = True
+
+
+class DocExampleTests(SynchronousTestCase):
+    def test_the_configuration_doc_example_validates_and_gives_these_flags(self) -> None:
+        doc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "configuration.md")
+        with open(doc, encoding="utf-8") as f:
+            text = f.read()
+        section = text[text.index("## LoRA adapters and draft models"):]
+        block = section[section.index("```yaml\n") + 8:section.index("```", section.index("```yaml\n") + 8)]
+        (m,) = validate(yaml.safe_load(block), check_files=False, environ={}).models
+        argv = build_argv("llama-server", m, 1)
+        self.assertEqual(argv[argv.index("--lora"):], [
+            "--lora", "/srv/lora/sql.gguf,/srv/lora/formal.gguf", "--lora-init-without-apply",
+            "--spec-draft-model", "/srv/weights/qwen2.5-0.5b-instruct-q4_k_m.gguf", "--spec-draft-n-max", "16",
+            "--spec-draft-n-min", "1", "--spec-draft-ngl", "all", "--spec-type", "draft-simple"])
+        self.assertIn("`--lora sql.gguf,formal.gguf --lora-init-without-apply`", section)
