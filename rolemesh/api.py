@@ -28,6 +28,7 @@ from twisted.web.resource import IResource, Resource
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from rolemesh import errors
+from rolemesh.adapters import adapter_entries, with_lora
 from rolemesh.config import NodeConfig
 from rolemesh.events import Events
 from rolemesh.fast_channel import FastRoute
@@ -124,7 +125,8 @@ def parse_body(body: bytes, limit: int) -> Dict[str, Any]:
 
 
 class _Utf8Guard(Resource):
-    """Answers a URL path or Host header that is not UTF-8 with a JSON 400.
+    """Answers a URL path or Host header that is not UTF-8 (or a Host that is
+    no IDNA name) with a JSON 400.
 
     Klein answers those itself in plain text, and logs each as an error.
     """
@@ -138,8 +140,8 @@ class _Utf8Guard(Resource):
     def render(self, request: IRequest) -> Union[bytes, int]:
         try:
             b"/".join(request.prepath + request.postpath).decode("utf-8")
-            request.getRequestHostname().decode("utf-8")
-        except UnicodeDecodeError:
+            request.getRequestHostname().decode("utf-8").encode("idna")  # werkzeug's routing needs an IDNA name
+        except UnicodeError:
             return _error(request, errors.ApiError(400, "the URL path or Host header is not valid UTF-8",
                                                    "invalid_request_error", "invalid_url"))
         return self._inner.render(request)
@@ -432,6 +434,7 @@ class NodeAPI:
             if model.alias:
                 entry["aliases"] = [model.alias]
             data.append(entry)
+            data.extend(adapter_entries(entry, model))
         return _json(request, 200, {"object": "list", "data": data})
 
     @app.route("/v1/node/inventory", methods=["GET"])
@@ -603,6 +606,8 @@ class NodeAPI:
             payload = parse_body(body, self.config.max_request_body_bytes)
             model = self.node.resolve(payload["model"])
             record.model = model.model_id
+            if model.lora_adapters:  # the agent sets the adapters' scales (one attribute test for the others)
+                body = with_lora(payload, model)
             lease = self.node.lease_now(model)
             acquired = self.node.acquire(model) if lease is None else None
         except Exception:

@@ -101,6 +101,7 @@ def memory_report(config: NodeConfig, backend: str, devices: Sequence[DeviceRef]
     for model in config.models:
         try:
             facts = read_facts(model.path)
+            draft = read_facts(model.draft_model) if model.draft_model is not None else None
         except EstimateError as e:
             out.write(f"{model.model_id}: no estimate ({e})\n")
             continue
@@ -109,7 +110,7 @@ def memory_report(config: NodeConfig, backend: str, devices: Sequence[DeviceRef]
         for names in lanes:
             members = [by_name[n] for n in names if n in by_name]
             capacity = capacity_of([d.memory_total_bytes for d in members], backend)
-            need = estimate_on(facts, model, backend, len(members), reserve)
+            need = estimate_on(facts, model, backend, len(members), reserve, draft)
             if capacity is None or need.total_bytes <= capacity:
                 fits.append(group_name(names))
             if largest is None or (capacity or 0) > (largest[1] or 0):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import json
+import math
 import os
 import shutil
 import socket
@@ -240,6 +241,88 @@ def _flash_attn(path: str, value: Any) -> str:
 
 
 # --------------------------------------------------------------------------
+# LoRA adapters and draft models (issue 28): their records and checks
+
+
+@attr.s(auto_attribs=True, frozen=True)
+class LoraAdapter:
+    """One ``lora_adapters`` entry: served as the model ``id`` by its base
+    model's child (loaded at start, applied per request with ``scale``)."""
+
+    id: str
+    path: str
+    scale: float = 1.0
+
+
+#: The keys of a ``lora_adapters`` entry.
+LORA_ADAPTER_KEYS = ("id", "path", "scale")
+
+
+def _lora_adapters(path: str, value: Any) -> Tuple[LoraAdapter, ...]:
+    if not isinstance(value, list):
+        raise _fail(path, "a list of {id, path, scale} mappings", value)
+    adapters: List[LoraAdapter] = []
+    for i, entry in enumerate(value):
+        here = f"{path}[{i}]"
+        if not isinstance(entry, dict):
+            raise _fail(here, "a mapping with id, path and scale", entry)
+        for name in entry:
+            if name not in LORA_ADAPTER_KEYS:
+                hint = difflib.get_close_matches(str(name), LORA_ADAPTER_KEYS, n=1)
+                suggestion = f' (did you mean "{hint[0]}"?)' if hint else " (expected id, path, scale)"
+                raise ConfigError(f"{here}.{_key_name(name)}: unknown key{suggestion}")
+        for name in ("id", "path"):
+            if entry.get(name) is None:
+                raise ConfigError(f"{here}.{name}: required")
+        adapter_id = _string(f"{here}.id", entry["id"])
+        file = _string(f"{here}.path", entry["path"])
+        if "," in file:
+            raise ConfigError(f"{here}.path: {_show(file)} has a comma, and llama-server takes its adapter "
+                              "paths comma-separated (--lora a,b); rename the file")
+        scale = entry.get("scale")
+        if scale is None:
+            scale = 1.0
+        elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise _fail(f"{here}.scale", "a number", scale)
+        for j, other in enumerate(adapters):
+            if other.id == adapter_id:
+                raise ConfigError(f"{here}.id: duplicate adapter id {_show(adapter_id)} (also {path}[{j}].id)")
+        adapters.append(LoraAdapter(adapter_id, file, float(scale)))
+    return tuple(adapters)
+
+
+#: The llama-server flags the draft fields set (every spelling, the first is
+#: passed) and those ``lora_adapters`` sets; ``server_args`` may not set them
+#: again where the field is set.  ``spec-type`` is the agent's
+#: ``draft-simple`` unless ``server_args`` names other types.
+DRAFT_FLAGS: Dict[str, Tuple[str, ...]] = {
+    "draft_model": ("spec-draft-model", "md", "model-draft"),
+    "draft_max": ("spec-draft-n-max", "draft-max", "draft", "draft-n"),
+    "draft_min": ("spec-draft-n-min", "draft-min", "draft-n-min"),
+    "draft_gpu_layers": ("spec-draft-ngl", "ngld", "gpu-layers-draft", "n-gpu-layers-draft"),
+}
+LORA_FLAGS = ("lora", "lora-scaled", "lora-init-without-apply")
+
+
+def _adapters_and_draft(prefix: str, model: "ModelConfig") -> None:
+    """The draft fields need ``draft_model`` and agree with each other, and
+    ``server_args`` does not set a flag these fields set."""
+    if model.draft_model is None:
+        for name in ("draft_max", "draft_min", "draft_gpu_layers"):
+            if getattr(model, name) is not None:
+                raise ConfigError(f"{prefix}{name}: only used with draft_model (the draft GGUF); set it too")
+    elif model.draft_max is not None and model.draft_min is not None and model.draft_min > model.draft_max:
+        raise ConfigError(f"{prefix}draft_min: {model.draft_min} is more than draft_max ({model.draft_max})")
+    owners = {flag: name for name, flags in DRAFT_FLAGS.items() for flag in flags}
+    owners.update({flag: "lora_adapters" for flag in LORA_FLAGS})
+    for flag, value in model.server_args:
+        field = owners.get(flag)
+        if field is not None and getattr(model, field) not in (None, ()) and value is not None and value is not False:
+            raise ConfigError(f"{prefix}server_args.{flag}: conflicts with the structured field {prefix}{field}; "
+                              "set it in one place")
+
+
+# --------------------------------------------------------------------------
 # Key declarations
 
 #: attrs metadata naming the configuration keys a record field is read from.
@@ -366,6 +449,26 @@ class ModelConfig:
     flash_attn: Optional[str] = key(None, _flash_attn, "boolean or `on`/`off`/`auto`",
                                     "`--flash-attn on|off|auto`; `true` means `on`, `false` means `off`.",
                                     default_doc="llama-server's")
+    #: LoRA adapters and a draft model (issue 28): see docs/configuration.md.
+    lora_adapters: Tuple[LoraAdapter, ...] = key(
+        (), _lora_adapters, "list of `{id, path, scale}`",
+        "LoRA adapters (GGUF) of this model, each served as the model `id`: one child loads them all (not "
+        "applied) and the agent sets each request's `lora` scales: the adapter's `scale` (default 1) for its "
+        "id, 0 for the others and for the bare model. Switching adapters costs no reload; requests for them "
+        "share the child (see below).",
+        nullable=True)
+    draft_model: Optional[str] = key(
+        None, _string, "path",
+        "A draft GGUF for speculative decoding (`--spec-draft-model`, with `--spec-type draft-simple` unless "
+        "`server_args` sets `spec-type`); it must share the model's vocabulary.", default_doc="unset (off)")
+    draft_max: Optional[int] = key(None, _positive_int, "positive integer", "`--spec-draft-n-max`: tokens "
+                                   "drafted at most per step (needs `draft_model`).", default_doc="llama-server's (3)")
+    draft_min: Optional[int] = key(None, _non_negative_int, "non-negative integer", "`--spec-draft-n-min`: "
+                                   "fewest tokens worth drafting (needs `draft_model`).",
+                                   default_doc="llama-server's (0)")
+    draft_gpu_layers: Optional[Any] = key(None, _gpu_layers, "non-negative integer, `auto` or `all`",
+                                          "`--spec-draft-ngl`: the draft's layers on the device.",
+                                          default_doc="llama-server's (`auto`)")
     #: ``(flag, value)`` pairs, flag normalised to dashes, in config order (:func:`_server_args`).
     server_args: Tuple[Tuple[str, Any], ...] = derived((), KeyDoc(
         "server_args", "mapping", "`{}`",
@@ -802,10 +905,12 @@ def _model(i: int, data: Any) -> ModelConfig:
     if not isinstance(data, dict):
         raise _fail(f"models[{i}]", "a mapping", data)
     _unknown_keys(data, MODEL_KEYS, prefix)
-    return ModelConfig(**_checked_keys(ModelConfig, data, prefix, {
+    model = ModelConfig(**_checked_keys(ModelConfig, data, prefix, {
         "server_args": lambda _: _server_args(prefix + "server_args", data.get("server_args") or {}, data),
         "keep_loaded": lambda _: "idle_unload_s" in data and data["idle_unload_s"] is None,
     }))
+    _adapters_and_draft(prefix, model)
+    return model
 
 
 def _models(value: Any) -> Tuple[ModelConfig, ...]:
@@ -816,7 +921,8 @@ def _models(value: Any) -> Tuple[ModelConfig, ...]:
     models = tuple(_model(i, m) for i, m in enumerate(raw_models))
     names: Dict[str, str] = {}
     for i, m in enumerate(models):
-        for key_name, name in (("model_id", m.model_id), ("alias", m.alias)):
+        adapter_ids = tuple((f"lora_adapters[{j}].id", a.id) for j, a in enumerate(m.lora_adapters))
+        for key_name, name in (("model_id", m.model_id), ("alias", m.alias)) + adapter_ids:
             if name is None:
                 continue
             if name in names and not (key_name == "alias" and names[name] == f"models[{i}].model_id"):
@@ -1009,6 +1115,11 @@ def _check_model_files(models: Tuple[ModelConfig, ...]) -> None:
             raise ConfigError(f"models[{i}].path: file not found: {_show(model.path)}")
         if not os.path.isfile(model.path):
             raise ConfigError(f"models[{i}].path: not a regular file: {_show(model.path)}")
+        extra = [(f"lora_adapters[{j}].path", a.path) for j, a in enumerate(model.lora_adapters)]
+        for where, file in extra + ([("draft_model", model.draft_model)] if model.draft_model else []):
+            if not os.path.isfile(file):
+                problem = "not a regular file" if os.path.exists(file) else "file not found"
+                raise ConfigError(f"models[{i}].{where}: {problem}: {_show(file)}")
 
 
 def _environment_api_keys(
@@ -1103,6 +1214,8 @@ def _model_data(model: ModelConfig) -> Dict[str, Any]:
         value = getattr(model, key.name, None)
         if key.name == "server_args":
             value = {flag: _plain(v) for flag, v in model.server_args} or None
+        if key.name == "lora_adapters":
+            value = [attr.asdict(a) for a in model.lora_adapters] or None
         if value is not None:
             data[key.name] = _plain(value)
     if model.keep_loaded:

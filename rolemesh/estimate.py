@@ -27,6 +27,8 @@ The estimate mirrors what llama-server (llama.cpp) allocates when it loads:
 - **runtime**: what a child takes on a GPU beyond those buffers, per
   device it uses: the CUDA context, cuBLAS's workspace, CUDA graphs
   (:data:`RUNTIME_BYTES`; measured on cuda only, 0 elsewhere).
+- **draft**: a ``draft_model``'s weights, KV cache and compute buffer,
+  sized as the target's (:func:`draft_bytes`).
 - **reserve**: ``device_memory_reserve_bytes``, headroom the node keeps free.
 
 The figures are checked against the buffer sizes a real llama-server logs at
@@ -124,10 +126,13 @@ class MemoryEstimate:
     #: The slots the KV cache and compute buffer were sized for: the
     #: ``--parallel`` the child gets and the requests the agent runs at once.
     slots: int = 1
+    #: The draft model's weights, KV cache and compute buffer (``draft_model``; 0 without).
+    draft_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_cache_bytes + self.compute_bytes + self.runtime_bytes + self.reserve_bytes
+        return (self.weights_bytes + self.kv_cache_bytes + self.compute_bytes + self.runtime_bytes
+                + self.reserve_bytes + self.draft_bytes)
 
     def to_json(self) -> Dict[str, int]:
         return {
@@ -139,12 +144,14 @@ class MemoryEstimate:
             "reserve_bytes": self.reserve_bytes,
             "ctx_cells": self.ctx_cells,
             "slots": self.slots,
+            "draft_bytes": self.draft_bytes,
         }
 
     def describe(self) -> str:
         runtime = f", runtime {gib(self.runtime_bytes)}" if self.runtime_bytes else ""
+        draft = f", draft model {gib(self.draft_bytes)}" if self.draft_bytes else ""
         return (f"{gib(self.total_bytes)} (weights {gib(self.weights_bytes)}, KV cache {gib(self.kv_cache_bytes)}, "
-                f"compute {gib(self.compute_bytes)}{runtime}, reserve {gib(self.reserve_bytes)})")
+                f"compute {gib(self.compute_bytes)}{runtime}{draft}, reserve {gib(self.reserve_bytes)})")
 
 
 def gib(n: Optional[int]) -> str:
@@ -468,11 +475,13 @@ def estimate(
     model: ModelConfig,
     device_kind: str = "gpu",
     reserve_bytes: int = 0,
+    draft: Optional[GGUFFacts] = None,
 ) -> MemoryEstimate:
     """Memory ``model`` needs on one device (or spread over a group) of
     ``device_kind`` (``cpu`` puts every tensor on the device; anything else
     offloads by ``gpu_layers``).  ``reserve_bytes`` is added once per
-    device the model occupies -- the caller multiplies for a group."""
+    device the model occupies -- the caller multiplies for a group.
+    ``draft``: the header of the model's ``draft_model`` (:func:`draft_bytes`)."""
     if device_kind == "cpu":
         weights = facts.weight_bytes
         kv_layers = range(facts.n_layer)
@@ -490,7 +499,31 @@ def estimate(
         reserve_bytes=max(0, reserve_bytes),
         ctx_cells=full,
         slots=_slots(model)[0],
+        draft_bytes=draft_bytes(draft, model, device_kind, full) if draft is not None and model.draft_model else 0,
     )
+
+
+#: The draft's own KV cache types (``--spec-draft-type-k/v``), as the
+#: target's flags they stand for in the draft's estimate.
+_DRAFT_CACHE_FLAGS = {"spec-draft-type-k": "cache-type-k", "ctkd": "cache-type-k", "cache-type-k-draft": "cache-type-k",
+                      "spec-draft-type-v": "cache-type-v", "ctvd": "cache-type-v", "cache-type-v-draft": "cache-type-v"}
+
+
+def draft_bytes(draft: GGUFFacts, model: ModelConfig, device_kind: str, target_cells: int) -> int:
+    """What the draft model adds: its weights on the device (all on a cpu;
+    ``draft_gpu_layers`` of them on a GPU, default all), its KV cache and its
+    compute buffer.  llama-server gives the draft's context the target's
+    cells, slots and batch sizes (its log: the same ``n_ctx``,
+    ``n_seq_max``, ``n_ubatch``), in f16 unless ``spec-draft-type-k/v``
+    say otherwise."""
+    cache_types = tuple((_DRAFT_CACHE_FLAGS[flag], value) for flag, value in model.server_args
+                        if flag in _DRAFT_CACHE_FLAGS)
+    others = tuple((flag, value) for flag, value in model.server_args
+                   if flag not in ("cache-type-k", "ctk", "cache-type-v", "ctv") and flag not in _DRAFT_CACHE_FLAGS)
+    as_model = attr.evolve(model, ctx_size=target_cells, gpu_layers=model.draft_gpu_layers,
+                           server_args=others + cache_types, draft_model=None)
+    part = estimate(draft, as_model, device_kind)
+    return part.weights_bytes + part.kv_cache_bytes + part.compute_bytes
 
 
 # --------------------------------------------------------------------------
@@ -522,9 +555,10 @@ def capacity_of(totals: Sequence[Optional[int]], backend: str) -> Optional[int]:
     return max(known) if shared_memory(backend) else sum(known)
 
 
-def estimate_on(facts: GGUFFacts, model: ModelConfig, backend: str, members: int, reserve_bytes: int) -> MemoryEstimate:
+def estimate_on(facts: GGUFFacts, model: ModelConfig, backend: str, members: int, reserve_bytes: int,
+                draft: Optional[GGUFFacts] = None) -> MemoryEstimate:
     """The estimate on a device (``members`` 1) or group of ``backend``: the
     reserve and the runtime count once per device, once in all for a shared pool."""
     per_device = 1 if shared_memory(backend) else max(1, members)
-    need = estimate(facts, model, "cpu" if backend == "cpu" else "gpu", reserve_bytes * per_device)
+    need = estimate(facts, model, "cpu" if backend == "cpu" else "gpu", reserve_bytes * per_device, draft)
     return attr.evolve(need, runtime_bytes=RUNTIME_BYTES.get(backend, 0) * per_device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, List, Mapping, Optional, Sequence
 
-from rolemesh.config import STRUCTURED_FLAGS, ModelConfig, normalize_flag
+from rolemesh.config import DRAFT_FLAGS, STRUCTURED_FLAGS, ModelConfig, normalize_flag
 
 #: Flags whose list values llama-server takes comma-joined; any other list
 #: repeats the flag once per element (``--lora a --lora b``).
@@ -45,6 +45,30 @@ def structured_args(model: ModelConfig) -> List[str]:
         if field == "tensor_split":
             value = ",".join(_number(v) for v in value)
         argv += ["--" + flags[0], _number(value)]
+    return argv + adapter_and_draft_args(model)
+
+
+#: The speculative decoding the agent turns on with ``draft_model`` (this
+#: llama-server loads a draft given only ``--spec-draft-model`` but drafts
+#: nothing until ``--spec-type`` names a type).
+DRAFT_SPEC_TYPE = "draft-simple"
+
+
+def adapter_and_draft_args(model: ModelConfig) -> List[str]:
+    """``lora_adapters``: every adapter loaded, none applied (the agent
+    sets each request's scales, :mod:`rolemesh.adapters`), by index in this
+    order; the draft fields: the draft model and how much it drafts."""
+    argv: List[str] = []
+    if model.lora_adapters:
+        argv += ["--lora", ",".join(a.path for a in model.lora_adapters), "--lora-init-without-apply"]
+    if model.draft_model is None:
+        return argv
+    for field, flags in DRAFT_FLAGS.items():
+        value = getattr(model, field)
+        if value is not None:
+            argv += ["--" + flags[0], _number(value)]
+    if not any(flag == "spec-type" and value not in (None, False) for flag, value in model.server_args):
+        argv += ["--spec-type", DRAFT_SPEC_TYPE]
     return argv
 
 

@@ -260,9 +260,14 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         return [n for n, s in self.supervisors.items() if s.loading_or_loaded == model_id]
 
     def resolve(self, name: str) -> ModelConfig:
-        """``model_id`` or alias; else a role (preferring a loaded model); else 404."""
+        """``model_id`` or alias; else a LoRA adapter's id (its base model:
+        placed, queued and switched as the base, :mod:`rolemesh.adapters`);
+        else a role (preferring a loaded model); else 404."""
         for model in self.config.models:
             if name in model.names:
+                return model
+        for model in self.config.models:
+            if any(adapter.id == name for adapter in model.lora_adapters):
                 return model
         serving = [m for m in self.config.models if name in m.roles]
         if not serving:
@@ -393,7 +398,11 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         estimate = self._estimates.get(key)
         if estimate is None:
             members = len(self.groups.get(lane, [lane]))
-            estimate = self._estimates[key] = estimate_on(facts, model, self.backend.name, members, reserve)
+            draft = model.draft_model
+            if draft is not None and draft not in self.facts and self._read_facts is not None:
+                self.facts[draft] = self._read_facts(draft)
+            estimate = self._estimates[key] = estimate_on(facts, model, self.backend.name, members, reserve,
+                                                          self.facts.get(draft) if draft is not None else None)
         return estimate
 
     def fits_on(self, model: ModelConfig) -> List[str]:

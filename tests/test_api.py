@@ -544,6 +544,12 @@ class UrlTests(ApiTestCase):
         self.assertError(answer, 400, "invalid_url")
         self.assertEqual(self.flushLoggedErrors(), [])
 
+    def test_a_host_werkzeug_cannot_route_is_a_json_400(self) -> None:
+        """UTF-8, but no IDNA name (a C1 control): werkzeug's BadHost was a 500 page."""
+        answer = self.h.call("POST", "/", b"x", headers={b"Host": b"W\xc2\x92W"})
+        self.assertError(answer, 400, "invalid_url")
+        self.assertEqual(self.flushLoggedErrors(), [])
+
     def test_merged_slashes_redirect_says_where(self) -> None:
         h = self.h
         d = h.treq.request("GET", "http://node.test/v1//models", allow_redirects=False)
