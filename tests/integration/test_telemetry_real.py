@@ -48,6 +48,7 @@ class TelemetryRealTests(SynchronousTestCase):
         self.addCleanup(self.fake.stop)
         self.agent = AgentProcess(self.dir, {
             "heartbeat_interval_s": 0.5,
+            "full_heartbeat_interval_s": 0.5,
             "dispatcher_base_url": f"http://127.0.0.1:{self.fake.port}",
             "max_pending_requests_per_device": 8,
             "shutdown_grace_s": 5,
