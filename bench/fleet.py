@@ -38,6 +38,11 @@ carries it (a delta naming the device, or a heartbeat) reaches the
 dispatcher; p50 and p99 over every change in the measured span.
 
     /work/main/.venv/bin/python bench/fleet.py [--hosts 1000,10000] [--devices 8] [--seconds 60]
+        [--full-interval 30] [--cycle 600]
+
+The measured span should be a whole number of full heartbeat intervals (60 s
+for 30 s or 15 s; 120 s for 60 s), and the warm-up longer than one, so that
+every host's heartbeats are counted as in a steady state.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import os
 import random
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -180,9 +185,9 @@ class StubDispatcher:
                 self._seen(device, now)
         elif path == EVENTS_PATH:
             for event in body["events"]:
-                device = host.by_name.get(event["device"])
-                if device is not None:
-                    self._seen(device, now)
+                named = host.by_name.get(event["device"])
+                if named is not None:
+                    self._seen(named, now)
         return _Response(200, _OK)
 
     def _seen(self, device: "SimDevice", now: float) -> None:
@@ -230,7 +235,7 @@ class Host:
     """One simulated agent: its devices, its feed and its DispatcherClient."""
 
     def __init__(self, index: int, devices: int, clock: HeapClock, dispatcher: StubDispatcher, events: bool,
-                 rng: random.Random, cycle: float) -> None:
+                 rng: random.Random, cycle: float, full_interval: float = FULL_HEARTBEAT_INTERVAL_S) -> None:
         self.node_id = f"node-{index:05d}"
         self.clock, self.rng, self.cycle = clock, rng, cycle
         self.devices = [SimDevice(f"cuda:{i}", i) for i in range(devices)]
@@ -241,7 +246,7 @@ class Host:
             "http://dispatcher.example:9000", TOKEN, self.registration, self.heartbeat, HEARTBEAT_INTERVAL_S,
             reactor=clock,  # type: ignore[arg-type]
             http=dispatcher.client_for(self), random=rng.random, feed=self.feed,
-            full_interval=FULL_HEARTBEAT_INTERVAL_S if events else None,
+            full_interval=full_interval if events else None,
         )
 
     def registration(self) -> Dict[str, Any]:
@@ -340,12 +345,13 @@ class Host:
 
 
 class Fleet:
-    def __init__(self, hosts: int, devices: int, events: bool, seed: int, cycle: float) -> None:
+    def __init__(self, hosts: int, devices: int, events: bool, seed: int, cycle: float,
+                 full_interval: float = FULL_HEARTBEAT_INTERVAL_S) -> None:
         self.clock = HeapClock()
         self.dispatcher = StubDispatcher(self.clock, self, events)
         rng = random.Random(seed)
-        self.hosts = [Host(i, devices, self.clock, self.dispatcher, events, random.Random(rng.random()), cycle)
-                      for i in range(hosts)]
+        self.hosts = [Host(i, devices, self.clock, self.dispatcher, events, random.Random(rng.random()), cycle,
+                           full_interval) for i in range(hosts)]
         for host in self.hosts:
             host.start(rng.uniform(0, HEARTBEAT_INTERVAL_S))
 
@@ -379,8 +385,8 @@ def _quantile(values: List[float], q: float) -> Optional[float]:
 
 
 def simulate(hosts: int, devices: int, events: bool, warmup: float, seconds: float, seed: int,
-             cycle: float) -> Dict[str, Any]:
-    return Fleet(hosts, devices, events, seed, cycle).run(warmup, seconds)
+             cycle: float, full_interval: float = FULL_HEARTBEAT_INTERVAL_S) -> Dict[str, Any]:
+    return Fleet(hosts, devices, events, seed, cycle, full_interval).run(warmup, seconds)
 
 
 def _row(label: str, r: Dict[str, Any]) -> str:
@@ -397,15 +403,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--warmup", type=float, default=35.0, help="virtual seconds before measuring (default 35)")
     parser.add_argument("--cycle", type=float, default=600.0,
                         help="mean seconds a device serves a model before it changes (default 600)")
+    parser.add_argument("--full-interval", type=float, default=FULL_HEARTBEAT_INTERVAL_S,
+                        help="the new protocol's full heartbeat interval (default 30: full_heartbeat_interval_s)")
     parser.add_argument("--seed", type=int, default=29)
     args = parser.parse_args(argv)
-    globalLogBeginner.beginLoggingTo([lambda event: None], redirectStandardIO=False, discardBuffer=True)
+    globalLogBeginner.beginLoggingTo([lambda event: None], redirectStandardIO=False,  # type: ignore[list-item]
+                                     discardBuffer=True)
     for hosts in [int(h) for h in args.hosts.split(",")]:
         print(f"{hosts} hosts x {args.devices} devices, {args.seconds:g} s measured after {args.warmup:g} s "
               f"(virtual time):", flush=True)
         old = simulate(hosts, args.devices, False, args.warmup, args.seconds, args.seed, args.cycle)
         print(_row("old", old), flush=True)
-        new = simulate(hosts, args.devices, True, args.warmup, args.seconds, args.seed, args.cycle)
+        new = simulate(hosts, args.devices, True, args.warmup, args.seconds, args.seed, args.cycle,
+                       args.full_interval)
         print(_row("new", new), flush=True)
         for kind, (rate, size) in sorted(new["by_kind"].items()):
             print(f"         new {kind}: {rate:.1f}/s, {size:.0f} B each")

@@ -795,6 +795,7 @@ class DispatcherClient(Service):
         self._report(RequestKind.EVENTS, outcome == OK)
         if outcome == OK:
             self.events_ok += 1
+            self.last_success = self._reactor.seconds()
             self._take_interval(body)
             self._events_verdict(True, f"HTTP {code} on {EVENTS_PATH}")
             return

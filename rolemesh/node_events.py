@@ -286,8 +286,8 @@ KEEPALIVE_FRAME = b": keep-alive\n\n"
 
 
 def coalesce_key(event: NodeEvent) -> Tuple[Any, ...]:
-    """What a newer event replaces: a device's state, its load progress, one
-    issue code, its queue pressure; the node's draining."""
+    """What a newer event replaces: a device's state, its last failure, its
+    load progress, one issue code, its queue pressure; the node's draining."""
     if event.type in (ISSUE_RAISED, ISSUE_CLEARED):
         return (event.device, "issue", event.fields.get("code"))
     if event.type == LOAD_PROGRESS:
@@ -296,6 +296,8 @@ def coalesce_key(event: NodeEvent) -> Tuple[Any, ...]:
         return (event.device, "queue")
     if event.type == DRAINING:
         return (None, "draining")
+    if event.type == FAILED:  # its diagnosis survives the unload or restart that follows it
+        return (event.device, "failed")
     return (event.device, "state")
 
 

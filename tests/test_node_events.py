@@ -141,6 +141,13 @@ class DeltaBufferTests(SynchronousTestCase):
         self.assertEqual([(e.device, e.fields["n"]) for e in taken], [("gpu:0", 18), ("gpu:1", 19)])
         self.assertEqual((len(buffer), buffer.added), (0, 0))
 
+    def test_a_failure_keeps_its_diagnosis_past_the_unload_after_it(self) -> None:
+        buffer = DeltaBuffer()
+        buffer.add(event(ne.FAILED, state="stopped", code="child_crashed", message="signal 9"))
+        buffer.add(event(ne.UNLOADED, state="stopped"))
+        buffer.add(event(ne.LOAD_STARTED, state="starting"))
+        self.assertEqual([e.type for e in buffer.take()], [ne.FAILED, ne.LOAD_STARTED])
+
     def test_issues_are_kept_per_code(self) -> None:
         buffer = DeltaBuffer()
         buffer.add(event(ne.ISSUE_RAISED, code="x"))
