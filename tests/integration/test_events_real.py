@@ -74,7 +74,9 @@ class EventsStreamRealTests(SynchronousTestCase):
         model = tiny_model(directory, "a", 1)
         agent = AgentProcess(directory, {
             "api_keys": [KEY],
-            "models": [{"model_id": "tiny-a", "path": model, "roles": ["chat"], "idle_unload_s": 1}],
+            # The stream outlives the listener's idle timeout: a response being written is not idle.
+            "idle_timeout_s": 1,
+            "models": [{"model_id": "tiny-a", "path": model, "roles": ["chat"], "idle_unload_s": 2}],
         })
         self.addCleanup(agent.stop)
         reader = EventReader(agent.port, KEY)
