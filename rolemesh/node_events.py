@@ -116,6 +116,8 @@ class NodeFeed:
         self._pressed: Set[str] = set()
         #: device -> the last load step told.
         self._steps: Dict[str, str] = {}
+        #: devices told ``failed`` since their last ``load_started`` (one per failure).
+        self._failed: Set[str] = set()
         self._progress_call: Optional[IDelayedCall] = None
 
     @property
@@ -165,6 +167,7 @@ class NodeFeed:
             code = getattr(supervisor, "last_error_code", None) or event
             message = getattr(supervisor, "last_error", None)
             state = getattr(supervisor, "state", None)
+            self._failed.add(device)
             self.publish(FAILED, device, model, state=None if state is None else str(state), code=code,
                          message=(message or event)[:300])
             return
@@ -173,6 +176,7 @@ class NodeFeed:
         state, previous = str(fields["state"]), str(fields.get("previous"))
         if state == "starting":
             self._steps.pop(device, None)
+            self._failed.discard(device)
             held = self._held.get(device)
             if held is not None and model is not None and held != model:
                 self.publish(SWITCHED, device, model, state=state, previous_model=held)
@@ -182,7 +186,8 @@ class NodeFeed:
             self.publish(READY, device, model, state=state)
         elif state == "stopped" and previous in ("stopping", "ready", "starting"):
             self.publish(UNLOADED, device, model, state=state)
-        elif state == "failed" and previous != "failed":
+        elif state == "failed" and previous != "failed" and device not in self._failed:
+            self._failed.add(device)
             supervisor = self._node.supervisors.get(device) if self._node is not None else None
             self.publish(FAILED, device, model, state=state,
                          code=getattr(supervisor, "last_error_code", None) or "failed",

@@ -55,7 +55,7 @@ class FeedFromNodeTests(SynchronousTestCase):
         h.child().output("error: failed to load model\n")
         h.child().exit(1)
         failed = [e for e in seen.events if e.type == ne.FAILED]
-        self.assertTrue(failed, seen.types())
+        self.assertEqual(len(failed), 1, seen.types())  # one failure, told once
         self.assertEqual(failed[0].fields["code"], h.sup().last_error_code)
         self.assertTrue(failed[0].fields["message"])
 
