@@ -203,3 +203,43 @@ class DeltaTests(SynchronousTestCase):
         h.stub.flush()
         self.assertEqual(h.clock.getDelayedCalls(), [])
         self.assertEqual(len(h.feed), 1)  # only this harness's recorder
+
+
+class EveryEventValidatesTests(SynchronousTestCase):
+    def test_each_event_a_real_node_publishes_fits_the_events_schema(self) -> None:
+        """Load, progress, ready, switch, unload, failure, issues, queue
+        pressure and drain from a real Node on fakes, sent as the client sends them."""
+        from rolemesh.payloads import events_payload
+        from tests.test_node import NodeHarness
+
+        h = NodeHarness(max_pending_requests_per_device=5, idle_unload_s=60)
+        h.node.startService()
+        self.addCleanup(lambda: h.node.running and h.node.stopService())
+        seen: list[NodeEvent] = []
+        h.node.feed.subscribe(seen.append)
+        h.load("a")
+        d = h.node.acquire(h.model("b"))
+        h.reap()
+        h.child().output("load_tensors: loading model tensors\n")
+        h.reactor.advance(ne.PROGRESS_POLL_S)
+        h.answer("b")
+        self.successResultOf(d).release()
+        held: list[Any] = []
+        for _ in range(5):
+            h.node.acquire(h.model("b")).addCallback(held.append)
+        h.node.feed.check()
+        while held:
+            held.pop(0).release()
+        h.sup().last_error_code, h.sup().last_error = "unhealthy", "the probe failed"
+        h.node.feed.check()
+        h.sup().last_error_code = h.sup().last_error = None
+        h.node.feed.check()
+        h.child().exit(1)  # a crash
+        h.node.acquire(h.model("a")).addErrback(lambda f: None)
+        h.child().exit(1)  # a failed load
+        h.node.drain(1.0)
+        types = {e.type for e in seen}
+        self.assertEqual(set(ne.ROUTING_TYPES) - types, set())
+        body = events_payload("node-a", 7, 1.0, [e.to_json() for e in seen if e.type in ne.ROUTING_TYPES])
+        errors = [f"{list(e.path)}: {e.message}" for e in SCHEMAS["events"].iter_errors(body)]
+        self.assertEqual(errors, [])
