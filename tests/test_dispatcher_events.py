@@ -180,10 +180,12 @@ class DeltaTests(SynchronousTestCase):
     def test_events_for_a_node_it_forgot_make_it_register_again(self) -> None:
         h = self.started()
         h.fake.forget()
+        beats = len(h.fake.heartbeats)
         h.change()
         h.advance(1, step=0.05)
         self.assertEqual(len(h.fake.registrations), 2)
         self.assertEqual(h.client.state, REGISTERED)
+        self.assertEqual(len(h.fake.heartbeats), beats + 1)  # the restarted dispatcher has full state at once
 
     def test_dispatcher_up_and_down_are_node_events(self) -> None:
         h = self.started()
