@@ -35,6 +35,7 @@ from rolemesh.fast_channel import FastRoute
 from rolemesh.interfaces import ProxiedRequest, RouteRequest
 from rolemesh.logs import emit, one_write
 from rolemesh.node import Lease, Node
+from rolemesh.node_events import SSEClient
 from rolemesh.proxy import CLIENT_GONE, STALLED, Forward, Proxy, UpstreamUnreachable
 from rolemesh.readiness import Readiness
 from rolemesh.reload import ReloadResult
@@ -62,6 +63,10 @@ REQUEST_LOG_FORMAT = "POST /v1/{endpoint} {model} -> {status} on {device} in {du
 #: for one), and of one whose model is not known either; the fields are the same.
 UNPLACED_LOG_FORMAT = "POST /v1/{endpoint} {model} -> {status} on no device in {duration_ms:.1f} ms"
 UNRESOLVED_LOG_FORMAT = "POST /v1/{endpoint} -> {status} on no device in {duration_ms:.1f} ms"
+#: A quiet events stream gets a comment line this often (seconds).
+SSE_KEEPALIVE_S = 15.0
+#: Bytes of events waiting for a reader that does not read before it is cut off.
+SSE_MAX_BACKLOG = 256 * 1024
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _CREATED = int(time.time())
 
@@ -464,6 +469,18 @@ class NodeAPI:
         if not 0 <= tail <= MAX_LOG_TAIL:
             raise _bad_request(f"tail must be an integer from 0 to {MAX_LOG_TAIL}", "invalid_tail")
         return _json(request, 200, {"device": device, "lines": supervisor.log_tail(tail)})
+
+    @app.route("/v1/node/events", methods=["GET"])
+    def events_stream(self, request: IRequest) -> "defer.Deferred[None]":
+        """Server-Sent Events: one ``data:`` line of JSON per node event (rolemesh.node_events)."""
+        self._authorize(request)
+        request.setHeader(b"content-type", b"text/event-stream; charset=utf-8")
+        request.setHeader(b"cache-control", b"no-cache")
+        request.setHeader(b"x-accel-buffering", b"no")
+        request.write(b": rolemesh node events\n\n")
+        SSEClient(request, self.node.feed, self.node.reactor, keepalive_s=SSE_KEEPALIVE_S,
+                  max_backlog=SSE_MAX_BACKLOG)
+        return defer.Deferred(lambda d: None)  # open until the client goes (Klein cancels it then)
 
     @app.route("/metrics", methods=["GET"])
     def metrics(self, request: IRequest) -> bytes:

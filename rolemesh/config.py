@@ -570,6 +570,10 @@ class NodeConfig:
     dispatcher_base_url: Optional[str] = key(None, _url, "URL", "RoleMesh dispatcher to register and heartbeat with.",
                                              default_doc="unset (standalone)")
     heartbeat_interval_s: float = _seconds(5.0, "Seconds between heartbeats.")
+    full_heartbeat_interval_s: float = _seconds(
+        30.0, "Seconds between full heartbeats to a dispatcher that takes events (`POST /v1/nodes/events`): "
+        "changes go at once, the full state is the reconciliation; `heartbeat_interval_s` applies to one "
+        "that does not.")
     #: Every accepted key, from the four key sources (:func:`_api_keys`, then
     #: :func:`_environment_api_keys` adds the variable's and the file's).
     api_keys: Tuple[str, ...] = derived(

@@ -14,8 +14,9 @@ tests drive it with ``task.Clock`` and ``treq.testing.StubTreq``.
 
 from __future__ import annotations
 
+import json
 import random as _random
-from typing import Any, Callable, Dict, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from treq.client import HTTPClient
 from twisted.application.service import Service
@@ -32,13 +33,22 @@ from rolemesh.config import is_loopback
 from rolemesh.enums import StrEnum
 from rolemesh.http_client import quiet_pool, quiet_treq
 from rolemesh.interfaces import IHTTPClientReactor
-from rolemesh.payloads import deregistration_payload
+from rolemesh.node_events import DISPATCHER_DOWN, DISPATCHER_UP, ROUTING_TYPES, DeltaBuffer, NodeEvent, NodeFeed
+from rolemesh.payloads import deregistration_payload, events_payload, with_last_seq
 from rolemesh.reactor import resolve_reactor
 from rolemesh.tls import DispatcherTLSPolicy, describe_tls_failure
 
 REGISTER_PATH = "/v1/nodes/register"
 HEARTBEAT_PATH = "/v1/nodes/heartbeat"
 DEREGISTER_PATH = "/v1/nodes/deregister"
+EVENTS_PATH = "/v1/nodes/events"
+
+#: Changes are held this long before they go, so a burst is one message.
+COALESCE_S = 0.2
+#: The bounds of a heartbeat interval a dispatcher may ask for in its answer
+#: (``{"heartbeat_interval_s": N}``): back-pressure, never silence.
+MIN_ASKED_INTERVAL_S = 1.0
+MAX_ASKED_INTERVAL_S = 300.0
 
 
 class RequestKind(StrEnum):
@@ -47,6 +57,7 @@ class RequestKind(StrEnum):
     REGISTER = "register"
     HEARTBEAT = "heartbeat"
     DEREGISTER = "deregister"
+    EVENTS = "events"
 
 
 class Outcome(StrEnum):
@@ -98,6 +109,8 @@ def classify(kind: str, code: Optional[int]) -> Outcome:
     if 200 <= code < 300:
         return OK
     if code in (404, 410) and kind in (RequestKind.HEARTBEAT, RequestKind.DEREGISTER):
+        return FORGOTTEN
+    if code == 410 and kind == RequestKind.EVENTS:  # 404 there: a dispatcher without the route (see _events_answer)
         return FORGOTTEN
     if code in (401, 403):
         return AUTH
@@ -158,6 +171,24 @@ def plaintext_off_loopback(url: str) -> bool:
     return not is_loopback(host)
 
 
+def asked_interval(body: str) -> Optional[float]:
+    """The ``heartbeat_interval_s`` a dispatcher's JSON answer asks for,
+    clamped to [MIN_ASKED_INTERVAL_S, MAX_ASKED_INTERVAL_S]; None if it asks none."""
+    answer = _json_object(body)
+    value = answer.get("heartbeat_interval_s")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    return min(MAX_ASKED_INTERVAL_S, max(MIN_ASKED_INTERVAL_S, float(value)))
+
+
+def _json_object(body: str) -> Dict[str, Any]:
+    try:
+        answer = json.loads(body) if body else {}
+    except ValueError:
+        return {}
+    return answer if isinstance(answer, dict) else {}
+
+
 def _without_userinfo(url: str) -> str:
     """``url`` with any ``user:password@`` removed, for logs."""
     scheme, sep, rest = url.partition("://")
@@ -214,6 +245,9 @@ class DispatcherClient(Service):
         random: Callable[[], float] = _random.random,
         on_result: Optional[Callable[[str, bool], None]] = None,
         tls_policy: Optional[DispatcherTLSPolicy] = None,
+        feed: Optional[NodeFeed] = None,
+        full_interval: Optional[float] = None,
+        coalesce: float = COALESCE_S,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be positive, got {interval!r}")
@@ -230,6 +264,36 @@ class DispatcherClient(Service):
         self._connect(http, request_timeout, deregister_timeout, tls_policy)
         self._retry_policy(backoff_base, backoff_cap, slow_retry, random)
         self._start_books()
+        self._events_books(feed, full_interval, coalesce)
+
+    def _events_books(self, feed: Optional[NodeFeed], full_interval: Optional[float], coalesce: float) -> None:
+        """Deltas (``POST /v1/nodes/events``) from ``feed``; none without one."""
+        #: The node's events, sent as deltas while the dispatcher takes them.
+        self.feed = feed
+        #: The full heartbeat's interval while it does (else ``interval``).
+        self.full_interval = float(full_interval) if full_interval is not None else self.interval
+        self.coalesce = float(coalesce)
+        #: Whether the dispatcher takes events: None until it answered one.
+        self.events_accepted: Optional[bool] = None
+        #: The ``seq`` of the last events body sent (0: none yet).
+        self.events_seq = 0
+        self.events_ok = 0
+        self.events_failed = 0
+        #: A heartbeat interval the dispatcher asked for (clamped), or None.
+        self.asked_interval: Optional[float] = None
+        self._deltas = DeltaBuffer()
+        self._flush_call: Optional[IDelayedCall] = None
+        self._delta_inflight: Optional[Deferred[Any]] = None
+        self._unsubscribe_feed: Optional[Callable[[], None]] = None
+        self._told_state: Optional[DispatcherState] = None
+
+    @property
+    def beat_interval(self) -> float:
+        """Seconds from one heartbeat to the next now: what the dispatcher
+        asked for, else the full interval while it takes events, else ``interval``."""
+        if self.asked_interval is not None:
+            return self.asked_interval
+        return self.full_interval if self.events_accepted else self.interval
 
     def _connect(self, http: Optional[PostsJSON], request_timeout: float, deregister_timeout: float,
                  tls_policy: Optional[DispatcherTLSPolicy]) -> None:
@@ -289,6 +353,8 @@ class DispatcherClient(Service):
                 "state cross the network unencrypted and the dispatcher is not authenticated; use https://",
                 dispatcher=self.display_url,
             )
+        if self.feed is not None:
+            self._unsubscribe_feed = self.feed.subscribe(self._on_event)
         self._schedule(0)
 
     def stopService(self) -> Deferred[None]:
@@ -301,6 +367,7 @@ class DispatcherClient(Service):
         if self._call is not None and self._call.active():
             self._call.cancel()
         self._call = None
+        self._stop_deltas()
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
             inflight.cancel()
@@ -354,6 +421,7 @@ class DispatcherClient(Service):
 
         def done(delay: float) -> None:
             self._inflight = None
+            self._tell_state()
             if self._register_again:  # a reregister() came while this step ran
                 self._register_again = False
                 self._registered = False
@@ -391,7 +459,7 @@ class DispatcherClient(Service):
         if isinstance(payload.get("node_id"), str):
             self._node_id = payload["node_id"]
         self._maybe_known = True
-        code, detail = await self._post(REGISTER_PATH, payload, self.request_timeout)
+        code, detail, detail_body = await self._exchange(REGISTER_PATH, payload, self.request_timeout)
         if not self.running:
             raise CancelledError()  # stopped while the request was cancelled: report nothing
         outcome = classify(RequestKind.REGISTER, code)
@@ -405,6 +473,8 @@ class DispatcherClient(Service):
                 dispatcher=self.display_url,
                 node_id=self._node_id,
             )
+            if self.feed is not None:
+                return self._registered_with_events(detail_body)
             return started + self.interval - self._reactor.seconds()
         self.registrations_failed += 1
         return self._failed(RequestKind.REGISTER, outcome, code, detail)
@@ -414,7 +484,10 @@ class DispatcherClient(Service):
         payload = self._build("heartbeat", self._heartbeat)
         if payload is None:
             return self.interval
-        code, detail = await self._post(HEARTBEAT_PATH, payload, self.request_timeout)
+        if self.events_accepted:
+            self._deltas.clear()  # this full state supersedes the changes not sent yet
+            payload = with_last_seq(payload, self.events_seq)
+        code, detail, body = await self._exchange(HEARTBEAT_PATH, payload, self.request_timeout)
         if not self.running:
             raise CancelledError()  # stopped while the request was cancelled: report nothing
         outcome = classify(RequestKind.HEARTBEAT, code)
@@ -422,7 +495,8 @@ class DispatcherClient(Service):
         if outcome == OK:
             self.heartbeats_ok += 1
             self._succeeded()
-            return started + self.interval - self._reactor.seconds()
+            self._take_interval(body)
+            return started + self.beat_interval - self._reactor.seconds()
         self.heartbeats_failed += 1
         if outcome == FORGOTTEN:
             # The dispatcher is up (it answered) but lost us, e.g. it restarted.
@@ -535,7 +609,13 @@ class DispatcherClient(Service):
         return headers
 
     async def _post(self, path: str, payload: Dict[str, Any], timeout: float) -> Tuple[Optional[int], str]:
-        """POST ``payload``; return ``(status, detail)``, status None if no answer.
+        """POST ``payload``; return ``(status, detail)``, status None if no answer."""
+        code, detail, _ = await self._exchange(path, payload, timeout)
+        return code, detail
+
+    async def _exchange(self, path: str, payload: Dict[str, Any],
+                        timeout: float) -> Tuple[Optional[int], str, str]:
+        """POST ``payload``; return ``(status, detail, body)``, status None if no answer.
 
         Never raises except :class:`CancelledError` when the service stops.
         The whole exchange, body included, is bounded by ``timeout``.
@@ -569,12 +649,13 @@ class DispatcherClient(Service):
             # A cancelled Agent request surfaces as ResponseNeverReceived, not
             # CancelledError, so the timer's flag is what tells a timeout apart.
             if timed_out:
-                return None, f"no answer within {timeout:g}s"
-            return None, self._describe(Failure())
+                return None, f"no answer within {timeout:g}s", ""
+            return None, self._describe(Failure()), ""
         finally:
             if timer.active():
                 timer.cancel()
-        return code, self._scrub(body.decode("utf-8", "replace").strip())
+        text = body.decode("utf-8", "replace").strip()
+        return code, self._scrub(text), text[:65536]
 
     def _describe(self, failure: Failure) -> str:
         """A short, token-free account of why a request failed."""
@@ -618,3 +699,134 @@ class DispatcherClient(Service):
         else:
             self.log.info("dispatcher deregistration failed (best effort, ignored): {reason}",
                           reason=detail if code is None else f"HTTP {code}: {detail}")
+
+    # ------------------------------------------------------------------
+    # Deltas: POST /v1/nodes/events (see docs/dispatcher-protocol.md)
+
+    def _registered_with_events(self, body: str) -> float:
+        """After a registration: learn whether the dispatcher takes events
+        (its answer's ``events``, else an empty events body: 404 says no),
+        and send the full state at once -- a restarted dispatcher knows
+        nothing of us."""
+        answer = _json_object(body)
+        self._deltas.clear()
+        self.events_accepted = None  # perhaps another dispatcher now: ask again
+        self._take_interval(body)
+        if isinstance(answer.get("events"), bool):
+            self._events_verdict(answer["events"], "its registration answer")
+        elif self.events_accepted is None:
+            self._send_delta([])  # the probe
+        return 0.0
+
+    def _take_interval(self, body: str) -> None:
+        asked = asked_interval(body)
+        if asked is not None and asked != self.asked_interval:
+            self.log.info("dispatcher asks for a heartbeat every {asked}s", asked=asked)
+            self.asked_interval = asked
+
+    def _events_verdict(self, accepted: bool, how: str) -> None:
+        if accepted == self.events_accepted:
+            return
+        self.events_accepted = accepted
+        if accepted:
+            self.log.info("dispatcher takes events ({how}): changes go at once, full state every {interval}s",
+                          how=how, interval=self.beat_interval)
+        else:
+            self._deltas.clear()
+            self.log.info("dispatcher does not take events ({how}): heartbeats only, every {interval}s",
+                          how=how, interval=self.beat_interval)
+            self._beat_soon(self.interval)
+
+    def _beat_soon(self, within: float) -> None:
+        """Bring the next heartbeat forward to at most ``within`` seconds from now."""
+        call = self._call
+        if call is None or not call.active() or self._inflight is not None:
+            return
+        if call.getTime() - self._reactor.seconds() > within:
+            call.cancel()
+            self._schedule(within)
+
+    def _on_event(self, event: NodeEvent) -> None:
+        """A change of the node: held for the coalescing window, then sent."""
+        if event.type not in ROUTING_TYPES or not self.running:
+            return
+        if not self._registered or self.events_accepted is False:
+            return  # the registration's full heartbeat, or the next heartbeat, carries it
+        self._deltas.add(event)
+        if self._flush_call is None and self._delta_inflight is None:
+            self._flush_call = self._reactor.callLater(self.coalesce, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_call = None
+        if not self.running or not self._deltas or self._delta_inflight is not None:
+            return
+        if self._deltas.overflowed:  # more changes than kept: full state instead
+            self._deltas.clear()
+            self._beat_soon(0)
+            return
+        self._send_delta([e.to_json() for e in self._deltas.take()])
+
+    def _send_delta(self, events: List[Dict[str, Any]]) -> None:
+        if self._node_id is None:
+            return
+        self.events_seq += 1
+        payload = events_payload(self._node_id, self.events_seq, self._reactor.seconds(), events)
+        d = Deferred.fromCoroutine(self._exchange(EVENTS_PATH, payload, self.request_timeout))
+        self._delta_inflight = d
+
+        def answered(result: Tuple[Optional[int], str, str]) -> None:
+            self._delta_inflight = None
+            self._events_answer(*result)
+            if self.running and self._deltas and self._flush_call is None:
+                self._flush_call = self._reactor.callLater(self.coalesce, self._flush)
+
+        def failed(failure: Failure) -> None:
+            self._delta_inflight = None
+            if not failure.check(CancelledError):
+                self.log.failure("sending events to the dispatcher failed", failure)
+
+        d.addCallbacks(answered, failed).addErrback(
+            lambda f: self.log.failure("dispatcher events bookkeeping failed", f))
+
+    def _events_answer(self, code: Optional[int], detail: str, body: str) -> None:
+        if not self.running:
+            return
+        outcome = classify(RequestKind.EVENTS, code)
+        self._report(RequestKind.EVENTS, outcome == OK)
+        if outcome == OK:
+            self.events_ok += 1
+            self.last_success = self._reactor.seconds()
+            self._take_interval(body)
+            self._events_verdict(True, f"HTTP {code} on {EVENTS_PATH}")
+            return
+        self.events_failed += 1
+        if code == 404:
+            self._events_verdict(False, f"HTTP 404 on {EVENTS_PATH}")
+        elif outcome == FORGOTTEN:
+            self.log.info("dispatcher does not know node {node_id} (HTTP {code} on events); registering again",
+                          node_id=self._node_id, code=code)
+            self._registered = False
+            self._beat_soon(0)
+        # Otherwise (down, slow, refusing): these changes are dropped, not
+        # queued; the next heartbeat's full state (and its last_seq) heals the gap.
+
+    def _tell_state(self) -> None:
+        """``dispatcher_up``/``dispatcher_down`` on the node's feed, on change."""
+        state = self.state
+        if self.feed is None or state == self._told_state or state == UNREGISTERED:
+            return
+        self._told_state = state
+        self.feed.publish(DISPATCHER_UP if state == REGISTERED else DISPATCHER_DOWN, None, None,
+                          dispatcher=self.display_url, state=str(state))
+
+    def _stop_deltas(self) -> None:
+        if self._unsubscribe_feed is not None:
+            self._unsubscribe_feed()
+            self._unsubscribe_feed = None
+        if self._flush_call is not None and self._flush_call.active():
+            self._flush_call.cancel()
+        self._flush_call = None
+        inflight, self._delta_inflight = self._delta_inflight, None
+        if inflight is not None:
+            inflight.cancel()
+        self._deltas.clear()

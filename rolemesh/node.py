@@ -28,6 +28,7 @@ from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.estimate import GGUFFacts, MemoryEstimate, capacity_of, estimate_on, gib, shared_memory
 from rolemesh.events import Events
 from rolemesh.interfaces import IDeviceBackend, IHTTPClientReactor
+from rolemesh.node_events import NodeFeed
 from rolemesh.payloads import device_state
 from rolemesh.reactor import UsesReactor
 from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
@@ -146,6 +147,9 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         #: The children's own telemetry, sampled on the metrics interval.
         self.telemetry = TelemetrySampler(self.supervisors, reactor=reactor, get=telemetry_get)
         self._loading_since: Dict[str, float] = {}
+        #: The node's typed events (rolemesh.node_events): the events route's and the dispatcher's source.
+        self.feed = NodeFeed(reactor)
+        self.feed.watch(self)
 
     def _emit(self, event: str, **fields: Any) -> None:
         self.events.emit(event, **fields)
@@ -194,6 +198,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         being generated are waited for.
         """
         self.draining = True
+        self._emit("draining")
         self._refuse_waiting()
         if self._all_idle():
             return defer.succeed(None)
@@ -247,6 +252,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         if self._metrics_loop is not None and self._metrics_loop.running:
             self._metrics_loop.stop()
         self.telemetry.stop()
+        self.feed.stop()
         for timers in (self._idle_timers, self._inference_timers):
             for timer in timers.values():
                 if timer.active():
@@ -765,6 +771,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
     def _sample(self) -> "Deferred[None]":
         """One metrics tick: the children's telemetry (on its own, never
         waited for) and the device sample."""
+        self.feed.check()  # typed issues raised or cleared, queue pressure, since the last sample
         try:
             self.telemetry.sample()
         except Exception:

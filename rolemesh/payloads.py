@@ -149,6 +149,28 @@ def heartbeat_payload(
             "devices": entries}
 
 
+#: The heartbeat body's version when it carries ``last_seq`` (sent to a
+#: dispatcher that takes events; one that does not gets version 2, unchanged).
+HEARTBEAT_EVENTS_SCHEMA_VERSION = 3
+#: The events body's version (``POST <dispatcher>/v1/nodes/events``).
+EVENTS_SCHEMA_VERSION = 1
+
+
+def with_last_seq(heartbeat: Mapping[str, Any], last_seq: int) -> Dict[str, Any]:
+    """A heartbeat body that also says the last events ``seq`` sent before
+    its state was read: a dispatcher that did not get every delta up to it
+    missed one, and takes this full state instead."""
+    return dict(heartbeat, schema_version=HEARTBEAT_EVENTS_SCHEMA_VERSION, last_seq=last_seq)
+
+
+def events_payload(node_id: str, seq: int, now: float, events: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The body of ``POST <dispatcher>/v1/nodes/events``: the changes since
+    the last one (each a :class:`rolemesh.node_events.NodeEvent`'s JSON),
+    coalesced, with ``seq`` one more than the last events body's."""
+    return {"schema_version": EVENTS_SCHEMA_VERSION, "node_id": node_id, "seq": seq, "time": now,
+            "events": [dict(e) for e in events]}
+
+
 def deregistration_payload(node_id: str) -> Dict[str, Any]:
     """The body of ``POST <dispatcher>/v1/nodes/deregister``."""
     return {"node_id": node_id}

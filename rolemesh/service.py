@@ -663,5 +663,7 @@ def _dispatcher(config: NodeConfig, node: Node, registration: Callable[[], dict]
         reactor=reactor,
         tls_policy=(dispatcher_tls_policy(config.dispatcher_tls)
                     if config.dispatcher_base_url.startswith("https://") else None),
+        feed=node.feed,
+        full_interval=config.full_heartbeat_interval_s,
     )
 

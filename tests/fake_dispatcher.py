@@ -13,7 +13,16 @@ for integration tests.  Flip its modes to misbehave:
 - ``forget()``: drop every registration, so heartbeats get ``forget_status``
   (404, or 410) until the node registers again;
 - ``deregister_route = False``: behave like a dispatcher without
-  ``/v1/nodes/deregister`` (404).
+  ``/v1/nodes/deregister`` (404);
+- ``events_route = False``: a dispatcher of the old protocol, without
+  ``/v1/nodes/events`` (404);
+- ``drop_events``: answer events 503 (a delta lost on the way);
+- ``ask_interval``: a number put in every answer as ``heartbeat_interval_s``.
+
+Besides the record, it keeps the view a dispatcher would (``view``: node_id
+-> device -> its state and model, from heartbeats and events by the rules of
+docs/dispatcher-protocol.md), and ``missed``: node_ids whose heartbeat's
+``last_seq`` named an events body it never got.
 
 Every request is recorded, misbehaving or not, in ``received``.
 """
@@ -28,14 +37,14 @@ from klein import Klein
 from twisted.internet.defer import Deferred
 from twisted.web.server import Site
 
-from rolemesh.dispatcher import DEREGISTER_PATH, HEARTBEAT_PATH, REGISTER_PATH
+from rolemesh.dispatcher import DEREGISTER_PATH, EVENTS_PATH, HEARTBEAT_PATH, REGISTER_PATH
 
 
 @attr.s(auto_attribs=True, frozen=True)
 class Received:
     """One request as the fake dispatcher saw it."""
 
-    kind: str  # "register", "heartbeat" or "deregister"
+    kind: str  # "register", "heartbeat", "deregister" or "events"
     method: str
     path: str
     #: Header names lower-cased, each with all its values.
@@ -68,6 +77,17 @@ class FakeDispatcher:
         self.reject_auth = False
         self.forget_status = 404
         self.deregister_route = True
+        self.events_route = True
+        self.drop_events = False
+        self.ask_interval: float | None = None
+        #: node_id -> device -> {"state", "model", "seq"}: what this dispatcher believes.
+        self.view: dict[str, dict[str, dict[str, Any]]] = {}
+        #: node_id -> the seqs of events bodies received.
+        self.seqs: dict[str, set[int]] = {}
+        #: node_id -> the last_seq of the last full heartbeat taken.
+        self.healed_to: dict[str, int] = {}
+        #: node_ids whose heartbeat said a delta had been missed.
+        self.missed: list[str] = []
         self._hung: list[Deferred[Any]] = []
 
     # -- test helpers ---------------------------------------------------
@@ -114,6 +134,33 @@ class FakeDispatcher:
     def deregistrations(self) -> list[Received]:
         return self.of_kind("deregister")
 
+    @property
+    def events(self) -> list[Received]:
+        return self.of_kind("events")
+
+    def take_heartbeat(self, body: dict[str, Any]) -> None:
+        """A full heartbeat replaces the node's view; ``last_seq`` says which deltas it covers."""
+        node_id = body["node_id"]
+        last_seq = body.get("last_seq")
+        if isinstance(last_seq, int):
+            got = self.seqs.get(node_id, set())
+            since = self.healed_to.get(node_id, 0)
+            if any(seq not in got for seq in range(since + 1, last_seq + 1)):
+                self.missed.append(node_id)
+            self.healed_to[node_id] = last_seq
+        self.view[node_id] = {d["device"]: {"state": d["state"], "model": d["model"]} for d in body["devices"]}
+
+    def take_events(self, body: dict[str, Any]) -> None:
+        """A delta updates the devices it names, unless a heartbeat already covered it."""
+        node_id, seq = body["node_id"], body["seq"]
+        self.seqs.setdefault(node_id, set()).add(seq)
+        if seq <= self.healed_to.get(node_id, 0):
+            return
+        devices = self.view.setdefault(node_id, {})
+        for event in body["events"]:
+            if event.get("device") is not None and event.get("state") is not None:
+                devices[event["device"]] = {"state": event["state"], "model": event["model"]}
+
     # -- routes ---------------------------------------------------------
 
     @app.route(REGISTER_PATH, methods=["POST"])
@@ -127,6 +174,10 @@ class FakeDispatcher:
     @app.route(DEREGISTER_PATH, methods=["POST"])
     def deregister(self, request: Any) -> Any:
         return self._handle(request, "deregister")
+
+    @app.route(EVENTS_PATH, methods=["POST"])
+    def node_events(self, request: Any) -> Any:
+        return self._handle(request, "events")
 
     def _handle(self, request: Any, kind: str) -> Any:
         raw = request.content.read()
@@ -164,20 +215,32 @@ class FakeDispatcher:
         if not isinstance(body, dict) or not isinstance(body.get("node_id"), str):
             return self._answer(request, 400, {"error": "expected a JSON object with node_id"})
         node_id = body["node_id"]
+        if kind == "events":
+            if not self.events_route:
+                return self._answer(request, 404, {"error": "no route"})
+            if self.drop_events:
+                return self._answer(request, 503, {"error": "dropped"})
+            if node_id not in self.nodes:
+                return self._answer(request, 410, {"error": "unknown node"})
+            self.take_events(body)
+            return self._answer(request, 200, {"ok": True})
         if kind == "register":
             self.nodes[node_id] = body
             return self._answer(request, 200, {"ok": True, "node_id": node_id})
         if kind == "heartbeat":
             if node_id not in self.nodes:
                 return self._answer(request, self.forget_status, {"error": "unknown node"})
+            if isinstance(body.get("devices"), list):
+                self.take_heartbeat(body)
             return self._answer(request, 200, {"ok": True})
         if not self.deregister_route or node_id not in self.nodes:
             return self._answer(request, 404, {"error": "unknown node"})
         del self.nodes[node_id]
         return self._answer(request, 200, {"ok": True})
 
-    @staticmethod
-    def _answer(request: Any, code: int, body: Any) -> bytes:
+    def _answer(self, request: Any, code: int, body: Any) -> bytes:
+        if self.ask_interval is not None and isinstance(body, dict) and code == 200:
+            body = dict(body, heartbeat_interval_s=self.ask_interval)
         request.setResponseCode(code)
         request.setHeader(b"Content-Type", b"application/json")
         return json.dumps(body).encode("utf-8")

@@ -401,12 +401,12 @@ class PayloadTests(SynchronousTestCase):
         with open(path, encoding="utf-8") as f:
             text = f.read()
         blocks = re.findall(r"<!-- schema: (\w+) -->\n```json\n(.*?)```", text, re.DOTALL)
-        self.assertEqual(sorted(name for name, _ in blocks), ["heartbeat", "registration"])
+        self.assertEqual(sorted(name for name, _ in blocks), ["events", "heartbeat", "registration"])
         for name, body in blocks:
             Draft202012Validator(load_schema(name)).validate(json.loads(body))
 
     def test_load_schema(self) -> None:
-        for name in ("registration", "heartbeat"):
+        for name in ("registration", "heartbeat", "events"):
             Draft202012Validator.check_schema(load_schema(name))
         self.assertRaises(ValueError, load_schema, "../config")
 

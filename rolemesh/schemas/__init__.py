@@ -7,11 +7,11 @@ from importlib import resources
 from typing import Any
 
 #: Schemas this package ships: ``load_schema(name)`` accepts these names.
-SCHEMA_NAMES = ("registration", "heartbeat")
+SCHEMA_NAMES = ("registration", "heartbeat", "events")
 
 
 def load_schema(name: str) -> dict[str, Any]:
-    """Return the parsed JSON Schema ``name`` (``"registration"`` or ``"heartbeat"``).
+    """Return the parsed JSON Schema ``name`` (one of SCHEMA_NAMES).
 
     Read through :mod:`importlib.resources` so it works from a wheel or a zip,
     not only from a source checkout.

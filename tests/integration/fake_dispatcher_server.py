@@ -14,11 +14,11 @@ dispatcher's routes it answers control routes under ``/_fake/``:
 - ``GET /_fake/received``: every request recorded so far, as a JSON list of
   ``{"kind", "method", "path", "headers", "body", "at"}`` (``at`` is the
   POSIX time it arrived);
-- ``GET /_fake/info``: ``{"pid", "port", "started_at", "nodes"}``
+- ``GET /_fake/info``: ``{"pid", "port", "started_at", "nodes", "view", "missed"}``
   (``started_at``: the POSIX time it began listening);
 - ``POST /_fake/mode``: a JSON object setting any of ``refuse``, ``fail``,
   ``hang``, ``reject_auth`` (booleans), ``forget_status`` (404/410) and
-  ``deregister_route`` (boolean);
+  ``deregister_route``, ``events_route``, ``drop_events`` (booleans);
 - ``POST /_fake/forget``: drop every registration;
 - ``POST /_fake/release``: answer every hung request (503).
 
@@ -40,12 +40,12 @@ from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
 from klein import Klein
 
-from rolemesh.dispatcher import DEREGISTER_PATH, HEARTBEAT_PATH, REGISTER_PATH
+from rolemesh.dispatcher import DEREGISTER_PATH, EVENTS_PATH, HEARTBEAT_PATH, REGISTER_PATH
 from tests.fake_dispatcher import FakeDispatcher, Received
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_MODE_FLAGS = ("refuse", "fail", "hang", "reject_auth", "deregister_route")
+_MODE_FLAGS = ("refuse", "fail", "hang", "reject_auth", "deregister_route", "events_route", "drop_events")
 
 
 def received_to_json(r: Received) -> Dict[str, Any]:
@@ -75,6 +75,10 @@ class ServedFakeDispatcher(FakeDispatcher):
     def deregister(self, request: Any) -> Any:
         return self._handle(request, "deregister")
 
+    @app.route(EVENTS_PATH, methods=["POST"])
+    def node_events(self, request: Any) -> Any:
+        return self._handle(request, "events")
+
     # Control routes.
     @app.route("/_fake/received", methods=["GET"])
     def control_received(self, request: Any) -> bytes:
@@ -82,7 +86,8 @@ class ServedFakeDispatcher(FakeDispatcher):
 
     @app.route("/_fake/info", methods=["GET"])
     def control_info(self, request: Any) -> bytes:
-        info = {"pid": os.getpid(), "port": self.port, "started_at": self.started_at, "nodes": sorted(self.nodes)}
+        info = {"pid": os.getpid(), "port": self.port, "started_at": self.started_at, "nodes": sorted(self.nodes),
+                "view": self.view, "missed": self.missed}
         return self._answer(request, 200, info)
 
     @app.route("/_fake/mode", methods=["POST"])

@@ -54,6 +54,7 @@ class DispatcherRealTests(DispatcherCase):
         agent = AgentProcess(self.dir, {
             "node_id": NODE_ID,
             "heartbeat_interval_s": INTERVAL,
+            "full_heartbeat_interval_s": INTERVAL,  # these tests count heartbeats, deltas or not
             "dispatcher_base_url": f"http://127.0.0.1:{self.dispatcher_port}",
             "dispatcher_token": TOKEN,
             "shutdown_grace_s": 5,

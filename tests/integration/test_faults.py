@@ -381,6 +381,7 @@ class EnvironmentFaultTests(FaultTestCase):
         self.addCleanup(dispatcher.stop)
         dispatcher.mode(hang=True)
         agent = self.start_agent(self.real_config(dispatcher_base_url=dispatcher.url, heartbeat_interval_s=0.5,
+                                                  full_heartbeat_interval_s=0.5,
                                                   shutdown_grace_s=5))
         wait_until(lambda: dispatcher.received("register"), 10, interval=0.05, what="a (hung) registration")
         self.assert_chat_ok(agent)  # cold start

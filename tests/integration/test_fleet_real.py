@@ -88,6 +88,7 @@ class ReadyFlipsTests(DispatcherCase):
         fake = self.start_dispatcher()
         agent = AgentProcess(self.dir, {
             "heartbeat_interval_s": INTERVAL,
+            "full_heartbeat_interval_s": INTERVAL,
             "dispatcher_base_url": f"http://127.0.0.1:{self.dispatcher_port}",
             "dispatcher_token": TOKEN,
             "shutdown_grace_s": 30,
@@ -156,6 +157,7 @@ class ReloadUnderLoadTests(SynchronousTestCase):
             "cpu_devices": 2,
             "api_keys": keys,
             "heartbeat_interval_s": INTERVAL,
+            "full_heartbeat_interval_s": INTERVAL,
             "dispatcher_base_url": f"http://127.0.0.1:{self.dispatcher_port}",
             "dispatcher_token": TOKEN,
             "max_pending_requests_per_device": 16,

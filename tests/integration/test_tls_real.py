@@ -182,7 +182,7 @@ class TLSDispatcherTests(SynchronousTestCase):
         open(model, "wb").close()
         agent = AgentProcess(directory, {
             "node_id": name, "llama_server_bin": write_fake_llama_server_bin(directory),
-            "models": [{"model_id": "m", "path": model}], "heartbeat_interval_s": 0.5,
+            "models": [{"model_id": "m", "path": model}], "heartbeat_interval_s": 0.5, "full_heartbeat_interval_s": 0.5,
             "dispatcher_base_url": self.url, **top})
         self.addCleanup(agent.stop)
         return agent
