@@ -77,6 +77,21 @@ def check_report(config: NodeConfig, out: TextIO) -> None:
     for warning in slot_warnings(config):
         out.write(f"# WARNING: {warning}\n")
     memory_report(config, choice.backend.name, choice.devices, out)
+    template_report(config, out)
+
+
+def template_report(config: NodeConfig, out: TextIO) -> None:
+    """Which chat template each model uses (the field, the GGUF's own, or
+    llama-server's ChatML fallback), and what the models folder left out."""
+    from rolemesh import chat_templates, models_dir
+
+    out.write("\n# chat template per model\n")
+    for model in config.models:
+        out.write(f"{model.model_id}: {chat_templates.summary(chat_templates.describe_model(model))}\n")
+    if config.models_dir:
+        _, notes = models_dir.discover(config.models_dir)
+        for note in notes:
+            out.write(f"# WARNING: {note}\n")
 
 
 def slot_warnings(config: NodeConfig) -> List[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, List, Mapping, Optional, Sequence
 
+from rolemesh.chat_templates import template_args
 from rolemesh.config import STRUCTURED_FLAGS, ModelConfig, normalize_flag
 
 #: Flags whose list values llama-server takes comma-joined; any other list
@@ -45,7 +46,7 @@ def structured_args(model: ModelConfig) -> List[str]:
         if field == "tensor_split":
             value = ",".join(_number(v) for v in value)
         argv += ["--" + flags[0], _number(value)]
-    return argv
+    return argv + template_args(model.chat_template)  # a built-in name or a file: rolemesh.chat_templates
 
 
 #: The two spellings of llama-server's slot count.

@@ -21,7 +21,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from rolemesh import errors
+from rolemesh import chat_templates, errors
 from rolemesh.backends.groups import group_name
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
@@ -887,7 +887,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             "warnings": warnings,
             "devices": devices,
             "groups": self.group_states(),
-            "models": [self.model_memory(m) for m in self.config.models],
+            "models": [{**self.model_memory(m), "chat_template": chat_templates.describe_model(m)}
+                       for m in self.config.models],
         }
 
     def _backoff_json(self, supervisor: DeviceSupervisor) -> List[Dict[str, Any]]:
