@@ -4,7 +4,8 @@ switch finish.
 When a request waits in a queue for a model that no device holds or is
 loading (a switch is coming once the current requests end), the agent asks
 the kernel to start reading that model's files into the page cache
-(``posix_fadvise(POSIX_FADV_WILLNEED)``), so the load that follows reads
+(``posix_fadvise(POSIX_FADV_WILLNEED)``, a read-ahead window per call:
+Linux reads no more than that per call), so the load that follows reads
 memory instead of disk.  Bounded by free memory: at most half of
 ``MemAvailable`` is asked for (the first bytes of the files, in order:
 llama.cpp reads the tensors from the front), and nothing when the host
@@ -72,11 +73,39 @@ def mem_available(meminfo: str = "/proc/meminfo") -> Optional[int]:
     return None
 
 
+#: Linux reads at most the device's read-ahead window (``read_ahead_kb``)
+#: per WILLNEED call (``force_page_cache_ra``), so a whole file is asked
+#: for a window at a time; this one where the window cannot be read.
+DEFAULT_WINDOW = 128 * 1024
+
+
+def read_ahead_window(path: str) -> int:
+    """The read-ahead window of the block device holding ``path``, in bytes
+    (``/sys/dev/block/M:m/queue/read_ahead_kb``, or its parent's for a
+    partition); at least :data:`DEFAULT_WINDOW`."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return DEFAULT_WINDOW
+    base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    for candidate in (f"{base}/queue/read_ahead_kb", f"{base}/../queue/read_ahead_kb"):
+        try:
+            with open(candidate, encoding="ascii") as f:
+                return max(DEFAULT_WINDOW, int(f.read().strip()) * 1024)
+        except (OSError, ValueError):
+            continue
+    return DEFAULT_WINDOW
+
+
 def advise_willneed(path: str, length: int) -> None:
-    """Ask the kernel to read the first ``length`` bytes of ``path`` ahead."""
+    """Ask the kernel to read the first ``length`` bytes of ``path`` ahead
+    (one WILLNEED per read-ahead window: the kernel reads no more per call).
+    The reads are queued, not waited for."""
+    window = read_ahead_window(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, length, os.POSIX_FADV_WILLNEED)
+        for offset in range(0, length, window):
+            os.posix_fadvise(fd, offset, min(window, length - offset), os.POSIX_FADV_WILLNEED)
     finally:
         os.close(fd)
 

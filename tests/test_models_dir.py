@@ -186,3 +186,19 @@ class LoadTests(SynchronousTestCase):
         path = self.config("models_dir: 3\n")
         e = self.assertRaises(ConfigError, load_config, path, environ=self.env)
         self.assertEqual(str(e), "models_dir: expected a folder path or a non-empty list of folder paths, got 3")
+
+
+class CheckReportTests(SynchronousTestCase):
+    def test_check_names_the_files_the_folder_left_out(self) -> None:
+        import io
+
+        from rolemesh.cli import template_report
+
+        folder = os.path.abspath(self.mktemp())
+        os.makedirs(folder)
+        with open(os.path.join(folder, "notes.txt"), "w") as f:
+            f.write("x")
+        config = parse({"models_dir": folder})
+        out = io.StringIO()
+        template_report(config, out)
+        self.assertIn(f"# WARNING: models_dir {folder}: notes.txt: not a .gguf file; not served\n", out.getvalue())

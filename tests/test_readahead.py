@@ -64,6 +64,19 @@ class ReadAheadTests(SynchronousTestCase):
         self.assertIsNone(self.reader.warm(ModelConfig("b", "/w/b.gguf")))
         self.assertEqual(self.asked, [("/w/a.gguf", 2 << 30)])
 
+    def test_advice_goes_a_read_ahead_window_at_a_time(self) -> None:
+        """Linux reads at most one window per WILLNEED call: one call for the
+        whole file would warm only its first window."""
+        path = os.path.abspath(self.mktemp())
+        with open(path, "wb") as f:
+            f.write(b"\0" * 10)
+        calls = []
+        self.patch(readahead, "read_ahead_window", lambda p: 4 << 20)
+        self.patch(os, "posix_fadvise", lambda fd, offset, length, advice: calls.append((offset, length, advice)))
+        readahead.advise_willneed(path, 10 << 20)
+        self.assertEqual(calls, [(0, 4 << 20, os.POSIX_FADV_WILLNEED), (4 << 20, 4 << 20, os.POSIX_FADV_WILLNEED),
+                                 (8 << 20, 2 << 20, os.POSIX_FADV_WILLNEED)])
+
     def test_real_advice_on_a_real_file(self) -> None:
         path = os.path.abspath(self.mktemp())
         with open(path, "wb") as f:
