@@ -476,7 +476,8 @@ class NodeConfig:
         None, _models_dir, "folder path or list of folder paths",
         "Every GGUF in these folders (and their sub-folders, one level) is a model, its id the file name "
         "without `.gguf` (and without a `-00001-of-00003` part suffix); `mmproj-*` files are paired with "
-        "their model; a `models` entry with the same `model_id` and no `path` refines it. Rescanned on reload.",
+        "their model; a `models` entry with the same `model_id` and no `path` refines it. Rescanned on reload. "
+        "Files left out (not a GGUF, unreadable) are one warning line each. Relative to the working directory.",
         default_doc="unset")
     #: As written until :func:`check_environment` resolves it on ``$PATH``.
     llama_server_bin: Optional[str] = key(
