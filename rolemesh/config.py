@@ -232,6 +232,21 @@ def _tensor_split(path: str, value: Any) -> Tuple[float, ...]:
     return tuple(value)
 
 
+def _chat_template(path: str, value: Any) -> str:
+    from rolemesh.chat_templates import check_field
+
+    return check_field(path, value)
+
+
+def _models_dir(path: str, value: Any) -> Tuple[str, ...]:
+    """``models_dir``: one folder or a list of them."""
+    if isinstance(value, str):
+        return (_string(path, value),)
+    if isinstance(value, list) and value:
+        return _string_list(path, value)
+    raise _fail(path, "a folder path or a non-empty list of folder paths", value)
+
+
 def _flash_attn(path: str, value: Any) -> str:
     if value is True:
         return "on"
@@ -487,6 +502,15 @@ class ModelConfig:
                                          default_doc="the top-level value")
     #: True when the entry says ``idle_unload_s: null`` (keep forever).
     keep_loaded: bool = derived(False)
+    # -- models folder and chat templates (issue 28: rolemesh.models_dir, rolemesh.chat_templates)
+    mmproj: Optional[str] = key(None, _string, "path", "`--mmproj`: the multimodal projector GGUF.",
+                                default_doc="the `mmproj-*` file paired with it in `models_dir`, else unset")
+    chat_template: Optional[str] = key(
+        None, _chat_template, "built-in template name or file path",
+        "The chat template: a llama-server built-in name (e.g. `gemma`; passed as `--chat-template` with "
+        "`--no-jinja`, so no tool calls) or a Jinja file (`--chat-template-file`). `--check` and "
+        "`/v1/node/inventory` say which template each model uses.",
+        default_doc="the GGUF's `tokenizer.chat_template`, else llama-server's `chatml`")
 
     @property
     def served_name(self) -> str:
@@ -550,6 +574,14 @@ class NodeConfig:
         default_doc="one device")
     models: Tuple[ModelConfig, ...] = derived(
         (), KeyDoc("models", "list of model entries", "`[]`", "The models this node serves (below)."))
+    # -- models folder (issue 28: rolemesh.models_dir)
+    models_dir: Optional[Tuple[str, ...]] = key(
+        None, _models_dir, "folder path or list of folder paths",
+        "Every GGUF in these folders (and their sub-folders, one level) is a model, its id the file name "
+        "without `.gguf` (and without a `-00001-of-00003` part suffix); `mmproj-*` files are paired with "
+        "their model; a `models` entry with the same `model_id` and no `path` refines it. Rescanned on reload. "
+        "Files left out (not a GGUF, unreadable) are one warning line each. Relative to the working directory.",
+        default_doc="unset")
     #: As written until :func:`check_environment` resolves it on ``$PATH``.
     llama_server_bin: Optional[str] = key(
         None, _string, "path or command name", "The llama-server executable.",
@@ -757,9 +789,24 @@ def load_config(
     raw = load_yaml(path) if path is not None else {}
     if override_path:
         raw = deep_merge(raw, load_yaml(override_path))
+    if raw.get("models_dir") is not None:
+        raw = with_models_dir(raw)
     if model_files:
         raw = with_model_files(raw, model_files, check_files=check_files)
     return check_environment(parse(raw), raw, check_files=check_files, environ=environ)
+
+
+def with_models_dir(raw: Mapping[str, Any]) -> Dict[str, Any]:
+    """``raw`` with the models of ``models_dir`` folded into ``models``
+    (:mod:`rolemesh.models_dir`); each file left out is one warning line."""
+    from twisted.logger import Logger
+
+    from rolemesh import models_dir
+
+    merged, notes = models_dir.apply(dict(raw), _models_dir)
+    for note in notes:
+        Logger(namespace="rolemesh.models_dir").warn("{note}", note=note)
+    return merged
 
 
 def model_id_of(path: str) -> str:
@@ -844,6 +891,7 @@ STRUCTURED_FLAGS: Dict[str, Tuple[str, ...]] = {
     "tensor_split": ("tensor-split", "ts"),
     "flash_attn": ("flash-attn", "fa"),
     "alias": ("alias", "a"),
+    "mmproj": ("mmproj", "mm"),
 }
 
 #: Other flags with two spellings the agent cares about (``ModelConfig.parallel``).
@@ -876,6 +924,9 @@ def _server_args(path: str, value: Any, model: Mapping[str, Any]) -> Tuple[Tuple
             )
         field = owner.get(flag)
         entry = path.rsplit('.', 1)[0]
+        if flag in ("chat-template", "chat-template-file") and model.get("chat_template") is not None:
+            raise ConfigError(f"{here}: conflicts with the structured field {entry}.chat_template; "
+                              "set it in one place")
         if field == "alias":
             # The agent always passes --alias (the alias, else the model_id);
             # a second one would rename the model behind the agent's back.
@@ -1124,6 +1175,18 @@ def _check_model_files(models: Tuple[ModelConfig, ...]) -> None:
             if not os.path.isfile(file):
                 problem = "not a regular file" if os.path.exists(file) else "file not found"
                 raise ConfigError(f"models[{i}].{where}: {problem}: {_show(file)}")
+        for name in ("mmproj", "chat_template"):
+            value = getattr(model, name)
+            if value is None or (name == "chat_template" and not _is_template_file(value)):
+                continue
+            if not os.path.isfile(value):
+                raise ConfigError(f"models[{i}].{name}: file not found: {_show(value)}")
+
+
+def _is_template_file(value: str) -> bool:
+    from rolemesh.chat_templates import is_file
+
+    return is_file(value)
 
 
 def _environment_api_keys(

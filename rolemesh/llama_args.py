@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, List, Mapping, Optional, Sequence
 
+from rolemesh.chat_templates import template_args
 from rolemesh.config import DRAFT_FLAGS, STRUCTURED_FLAGS, ModelConfig, normalize_flag
 
 #: Flags whose list values llama-server takes comma-joined; any other list
@@ -45,7 +46,8 @@ def structured_args(model: ModelConfig) -> List[str]:
         if field == "tensor_split":
             value = ",".join(_number(v) for v in value)
         argv += ["--" + flags[0], _number(value)]
-    return argv + adapter_and_draft_args(model)
+    # a chat template (a built-in name or a file: rolemesh.chat_templates), adapters and a draft
+    return argv + template_args(model.chat_template) + adapter_and_draft_args(model)
 
 
 #: The speculative decoding the agent turns on with ``draft_model`` (this

@@ -21,7 +21,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from rolemesh import errors
+from rolemesh import chat_templates, errors
 from rolemesh.backends.groups import group_name
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
@@ -31,6 +31,7 @@ from rolemesh.interfaces import IDeviceBackend, IHTTPClientReactor
 from rolemesh.node_events import NodeFeed
 from rolemesh.payloads import device_state
 from rolemesh.reactor import UsesReactor
+from rolemesh.readahead import ReadAhead
 from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
 from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor, StateChange
 from rolemesh.telemetry import TelemetrySampler, device_issues, load_progress
@@ -131,6 +132,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         self._read_facts = read_facts
         self.metrics: Dict[str, DeviceMetrics] = {}
         self.draining = False
+        #: Reads a model's GGUF ahead while a switch to it waits (rolemesh.readahead).
+        self.read_ahead = ReadAhead(lambda: self.reactor)
         self._drained: List[Deferred] = []
         self._idle_timers: Dict[str, IDelayedCall] = {}
         #: device -> (config, model) that _retire_if_removed found still wanted.
@@ -303,6 +306,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         if ticket.state == QUEUED:
             request.queue_timer = self.reactor.callLater(
                 self.config.queue_timeout_s, self._queue_timed_out, ticket, request)
+            if not self.loaded_on(model.model_id):  # a switch is coming: warm the page cache meanwhile
+                self.read_ahead.warm(model)
         return request.result
 
     def _not_backing_off(self, model: ModelConfig, lanes: List[str], device: Optional[str]) -> List[str]:
@@ -903,7 +908,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             "warnings": warnings,
             "devices": devices,
             "groups": self.group_states(),
-            "models": [self.model_memory(m) for m in self.config.models],
+            "models": [{**self.model_memory(m), "chat_template": chat_templates.describe_model(m)}
+                       for m in self.config.models],
         }
 
     def _backoff_json(self, supervisor: DeviceSupervisor) -> List[Dict[str, Any]]:

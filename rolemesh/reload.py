@@ -6,6 +6,9 @@ the agent keeps serving with what it has and the one-line error is logged
 and answered.  A valid one is compared with the running configuration
 (:func:`plan`, pure) and applied at once where it can be:
 
+- the folders of ``models_dir`` are listed again (by ``load_config``,
+  :mod:`rolemesh.models_dir`): a GGUF file that appeared is a model added,
+  one that went is a model removed;
 - models added are servable at once (and preloaded if they say so);
 - models removed leave ``/v1/models`` at once, and their child stops once
   its device has no request running or waiting;
@@ -47,6 +50,7 @@ log = Logger()
 #: Top-level fields a reload applies while running.
 LIVE_KEYS = frozenset({
     "models",
+    "models_dir",  # rescanned by every reload (load_config): what it finds is applied as models are
     "preload",
     "api_keys",
     "dispatcher_token",

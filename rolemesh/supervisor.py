@@ -42,7 +42,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from rolemesh import diagnosis, errors
+from rolemesh import chat_templates, diagnosis, errors
 from rolemesh.backends.groups import group_name
 from rolemesh.backoff import load_retry_delay, restart_delay
 from rolemesh.child_probes import (
@@ -512,6 +512,9 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self.output.new_attempt()
         log.info("starting llama-server for {model} on {device} (port {port})",
                  model=model.model_id, device=self.name, port=self.port)
+        template = chat_templates.describe_model(model)
+        if template["warning"]:
+            log.warn("{model}: {warning}", model=model.model_id, warning=template["warning"], device=self.name)
         self._started_at = self.reactor.seconds()
         self._ready_at = None
         self._stop_reason = None

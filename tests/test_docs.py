@@ -174,6 +174,7 @@ class WorkedExampleTests(SynchronousTestCase):
             "dispatcher_ca_file",
             "dispatcher_client_cert_file",
             "dispatcher_client_key_file",
+            "models_dir",
         ]
         for key in accepting:
             validate({key: None}, check_files=False, environ={})

@@ -312,6 +312,7 @@ STRUCTURED_VALUES = {
     ),
     "flash_attn": st.sampled_from([True, False, "on", "off", "auto"]),
     "alias": st.from_regex(r"[a-z][a-z0-9._-]{0,11}", fullmatch=True),
+    "mmproj": st.just("/srv/weights/mmproj-f16.gguf"),
 }
 
 
@@ -445,3 +446,39 @@ class PropertyTests(SynchronousTestCase):
         message = str(self.assertRaises(ConfigError, validated, raw))
         self.assertIn(f"models[0].server_args.{key}: ", message)
         self.assertNotIn("\n", message)
+
+
+class ChatTemplateArgsTests(SynchronousTestCase):
+    """``chat_template`` (issue 28, item 7): a built-in name with jinja off
+    (with jinja on this llama-server takes the name as the template itself),
+    a file with ``--chat-template-file``; set in one place only."""
+
+    def argv(self, **fields: Any) -> list:
+        return build_argv(BIN, validated({"model_id": "g", "path": "/w/g.gguf", **fields}), 1)
+
+    def test_a_built_in_name_turns_jinja_off(self) -> None:
+        argv = self.argv(chat_template="gemma")
+        self.assertEqual(argv[-3:], ["--no-jinja", "--chat-template", "gemma"])
+
+    def test_a_file_is_a_template_file(self) -> None:
+        argv = self.argv(chat_template="/etc/rolemesh/gemma.jinja")
+        self.assertEqual(argv[-2:], ["--chat-template-file", "/etc/rolemesh/gemma.jinja"])
+        self.assertNotIn("--no-jinja", argv)
+
+    def test_unset_adds_nothing(self) -> None:
+        self.assertFalse({"--chat-template", "--chat-template-file", "--no-jinja"} & set(self.argv()))
+
+    def test_an_unknown_name_is_one_line_with_a_hint(self) -> None:
+        e = self.assertRaises(ConfigError, self.argv, chat_template="gema")
+        self.assertIn('models[0].chat_template: expected a built-in template name or a template file path, '
+                      'got "gema" (did you mean "gemma"?)', str(e))
+
+    def test_the_field_and_server_args_conflict(self) -> None:
+        e = self.assertRaises(ConfigError, self.argv, chat_template="gemma",
+                              server_args={"chat-template-file": "/x.jinja"})
+        self.assertEqual(str(e), "models[0].server_args.chat-template-file: conflicts with the structured field "
+                                 "models[0].chat_template; set it in one place")
+
+    def test_mmproj_is_passed(self) -> None:
+        argv = self.argv(mmproj="/w/mmproj-g.gguf")
+        self.assertEqual(argv[argv.index("--mmproj") + 1], "/w/mmproj-g.gguf")
