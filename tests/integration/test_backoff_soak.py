@@ -207,8 +207,13 @@ def near(kills: List[Kill], outcome: Outcome, **match: Any) -> bool:
 
 
 def twice_in_a_row(model: str, at: float, kills: List[Kill], outcomes: List[Outcome]) -> bool:
-    """The model's last two loads before ``at`` were killed, with no success of it between."""
-    events = [(k.at, "kill") for k in kills if k.model == model and k.state == "starting" and k.at < at]
+    """The model's last two children before ``at`` were killed, with no success of it between.
+
+    Any state counts: the inventory the killer reads may still say a child
+    is ready when the agent has begun to restart it (a load the kill then
+    hits), most often on a busy machine; what must never happen is a model
+    refused for kills of other models' children."""
+    events = [(k.at, "kill") for k in kills if k.model == model and k.at < at]
     events += [(o.ended, "ok") for o in outcomes if o.model == model and o.reason == "ok" and o.ended < at]
     events.sort()
     return [what for _, what in events[-2:]] == ["kill", "kill"]

@@ -75,6 +75,7 @@ class ListenerBytesTests(SynchronousTestCase):
         self.agent = agent
 
     def send(self, data: bytes, **kw):
+        kw.setdefault("quiet", 10.0)  # every exchange here ends by a close or its expected answers
         return exchange(self.agent.port, data, **kw)
 
     def assert_refused(self, data: bytes, status: int = 400) -> None:
