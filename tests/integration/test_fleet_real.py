@@ -249,8 +249,11 @@ class ReloadUnderLoadTests(SynchronousTestCase):
         self.assertEqual(status, 200, raw)
         self.assertEqual(json.loads(raw)["model"], "c")
         wait_until(lambda: not pid_alive(a_child), 30, what="a's old child replaced")
-        serving_a = [d for d in inventory(agent, KEY_2)["devices"] if d["model"] == "a" and d["state"] == "ready"]
-        self.assertTrue(serving_a)
+        def ready_a() -> list:
+            return [d for d in inventory(agent, KEY_2)["devices"] if d["model"] == "a" and d["state"] == "ready"]
+
+        wait_until(ready_a, 30, what="a ready again with its new command")  # its preload: started, then ready
+        serving_a = ready_a()
         with open(f"/proc/{serving_a[0]['pid']}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
         self.assertEqual(argv[argv.index(b"--ctx-size") + 1], b"512")
