@@ -72,16 +72,22 @@ reactor.run()
 """
 
 
+def run_in_child(test: SynchronousTestCase, script: str) -> dict:
+    """Run ``script`` in a fresh interpreter (its own global reactor) and
+    return the JSON object its last line prints."""
+    from rolemesh import event_loop
+
+    if event_loop.AgentEPollReactor is None:
+        raise SkipTest("no epoll here: the agent runs on Twisted's default reactor")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([CHECKOUT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60, env=env, cwd=CHECKOUT)
+    test.assertEqual(done.returncode, 0, done.stderr.decode()[-2000:])
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])
+
+
 class AgentReactorTests(SynchronousTestCase):
     def run_script(self) -> dict:
-        from rolemesh import event_loop
-
-        if event_loop.AgentEPollReactor is None:
-            raise SkipTest("no epoll here: the agent runs on Twisted's default reactor")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([CHECKOUT, os.environ.get("PYTHONPATH", "")])}
-        done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, timeout=60, env=env, cwd=CHECKOUT)
-        self.assertEqual(done.returncode, 0, done.stderr.decode()[-2000:])
-        return json.loads(done.stdout.decode().strip().splitlines()[-1])
+        return run_in_child(self, SCRIPT)
 
     def test_serves_runs_timers_and_survives_a_raising_protocol(self) -> None:
         out = self.run_script()
@@ -110,14 +116,7 @@ print(json.dumps({"installed": installed, "reactor": type(reactor).__name__, "wa
 
 class FallbackTests(SynchronousTestCase):
     def test_a_twisted_whose_loop_was_not_checked_gets_its_own_reactor_and_a_log_line(self) -> None:
-        from rolemesh import event_loop
-
-        if event_loop.AgentEPollReactor is None:
-            raise SkipTest("no epoll here")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([CHECKOUT, os.environ.get("PYTHONPATH", "")])}
-        done = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, timeout=60, env=env, cwd=CHECKOUT)
-        self.assertEqual(done.returncode, 0, done.stderr.decode()[-2000:])
-        out = json.loads(done.stdout.decode().strip().splitlines()[-1])
+        out = run_in_child(self, FALLBACK)
         self.assertEqual((out["installed"], out["reactor"]), (False, "EPollReactor"))
         self.assertEqual(len(out["warnings"]), 1, out)
         self.assertIn("doPoll", out["warnings"][0])
