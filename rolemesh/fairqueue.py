@@ -63,7 +63,12 @@ class FairOrder:
         key = (rank, share.tenant)
         start = max(now, self._last.get(key, 0.0))
         if len(self._last) >= self.PRUNE_AT:
-            self._last = {k: v for k, v in self._last.items() if v > self._now.get(k[0], 0.0)}
+            # Drop the tenants at most one request ahead of now (forgetting
+            # them gives back at most that); many tenants far ahead at once
+            # (a flood of distinct names): forget them all -- bounded memory first.
+            now_of = self._now
+            kept = {k: v for k, v in self._last.items() if v > now_of.get(k[0], 0.0) + 1.0}
+            self._last = kept if len(kept) < self.PRUNE_AT // 2 else {}
         self._last[key] = start + 1.0 / share.weight
         return rank, start
 

@@ -386,7 +386,8 @@ class LeaseNowTests(SynchronousTestCase):
         assert lease is not None
         self.assertEqual((lease.device, lease.endpoint.model_id, lease.ticket.state), ("gpu:0", "a", RUNNING))
         self.assertEqual(h.book().running, [lease.ticket])
-        self.assertEqual(h.events, [("queue_wait", {"device": "gpu:0", "model": "a", "seconds": 0.0, "tenant": "default"})])
+        self.assertEqual(h.events, [("queue_wait", {"device": "gpu:0", "model": "a", "seconds": 0.0,
+                                                    "tenant": "default"})])
         lease.release()
         lease.release()
         self.assertTrue(h.idle())
