@@ -5,8 +5,9 @@ Affinity (``--rounds`` rounds, affinity on and off alternating, toggled by
 ``POST /v1/node/reload`` between rounds): ``--conversations`` conversations
 at a time, each ``--turns`` turns; each has a long system prompt of its own
 (about ``--system-tokens`` tokens: a document the conversation is about) and
-short user turns; the assistant's answers (``--answer-tokens``) go back into
-the history.  The figure is the time to first token (streamed) of turns 2+,
+short user turns, with up to ``--think`` seconds between them (so the
+conversations drift out of step, as users do); the assistant's answers
+(``--answer-tokens``) go back into the history.  The figure is the time to first token (streamed) of turns 2+,
 with affinity vs without; target <= 0.5x.  The model is preloaded on both
 devices, so both hold it all along.  llama-server also reports how many
 prompt tokens came from its cache (``timings.cache_n``) and how many it
@@ -16,11 +17,14 @@ Flood (``--flood-rounds`` rounds, the phases rotating): tenant A keeps
 ``--flood`` requests in flight (``--a-tokens`` tokens each), tenant B sends
 one request at a time (``--b-tokens`` tokens).  Phases: B alone; the flood
 with B as its own tenant (fair queueing); the flood with B sending on A's key
-(one tenant: first come, first served, as before fair shares).  Targets: B's
+(one tenant: first come, first served, as before fair shares).  B sends one
+request at a time and at most one every ``--b-period`` seconds, so it asks
+for the same work in every phase and A's throughput (its requests finished
+while B runs) compares like with like.  Targets: B's
 median latency fair vs alone <= 1.5x; A's throughput fair vs one-tenant
 within 10%.
 
-    /work/main/.venv/bin/python bench/affinity.py [--rounds 4] [--flood-rounds 2]
+    /work/main/.venv/bin/python bench/affinity.py [--rounds 2] [--flood-rounds 1]   # about 3 minutes
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ def post(port: int, body: Dict[str, Any], key: str, stream: bool, timeout: float
 def agent_config(args: argparse.Namespace, model: str, affinity: bool) -> Dict[str, Any]:
     return {
         "node_id": "bench-affinity", "listen_port": args.port, "backend": "cpu", "cpu_devices": 2,
-        "state_dir": os.path.join(args.workdir, "state"), "llama_server_probe_interval_s": 0.05,
+        "state_dir": os.path.join(args.workdir, f"state-{args.port}"), "llama_server_probe_interval_s": 0.05,
         "max_pending_requests_per_device": 64, "prefix_affinity": affinity,
         "api_keys": [{"name": "a", "key": KEYS["a"]}, {"name": "b", "key": KEYS["b"]}],
         "llama_server_bin": args.binary,
@@ -139,6 +143,7 @@ def conversation(args: argparse.Namespace, seed: int, out: List[Tuple[int, float
         if status != 200:
             raise RuntimeError(f"conversation request failed: HTTP {status}")
         out.append((turn, ttft, timings))
+        time.sleep(rng.uniform(0, args.think))  # the user reads and types: conversations drift out of step
         if args.verbose:
             print(f"    conv {seed} turn {turn}: ttft {ttft:.3f}s cache_n {timings.get('cache_n')} prompt_n "
                   f"{timings.get('prompt_n')} prompt_ms {timings.get('prompt_ms')}")
@@ -177,12 +182,18 @@ def flood_phase(args: argparse.Namespace, phase: str) -> Tuple[List[float], floa
     latencies: List[float] = []
     began = time.perf_counter()
     for i in range(args.b_requests):
+        wait = began + i * args.b_period - time.perf_counter()
+        if wait > 0:  # one at a time, at most one per --b-period: the same work for B in every phase
+            time.sleep(wait)
         status, _, total, _, _, _ = post(
             args.port, {"model": MODEL, "messages": [{"role": "user", "content": f"Name a colour ({i})."}],
                         "max_tokens": args.b_tokens, "temperature": 0, "ignore_eos": True}, b_key, False)
         if status != 200:
             raise RuntimeError(f"tenant B's request failed: HTTP {status}")
         latencies.append(total)
+    rest = began + args.b_requests * args.b_period - time.perf_counter()
+    if rest > 0 and flooders:  # A's window is the same length in every phase
+        time.sleep(rest)
     ended = time.perf_counter()
     stop.set()
     for t in flooders:
@@ -200,25 +211,13 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
     args.binary = llama_server_binary()
     args.workdir = workdir
     args.port = free_port()
-    config = write_config(args, model, True)
-    log_path = os.path.join(workdir, "agent.log")
-    proc = procs.start([sys.executable, "-m", "rolemesh.cli", "--config", config], log_path)
-    wait_http(args.port, "/health", proc, log_path)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # both preloads ready
-        conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=5)
-        conn.request("GET", "/ready")
-        ready = conn.getresponse().status == 200
-        conn.close()
-        if ready:
-            break
-        time.sleep(0.2)
-    print(f"Gemma 3 270M on cpu_devices: 2, parallel {args.parallel}, ctx {args.ctx}; "
-          f"{os.cpu_count()} CPUs on this host")
-
+    print(f"Gemma 3 270M on cpu_devices: 2; {os.cpu_count()} CPUs on this host")
     results: Dict[bool, List[Tuple[int, float, Dict[str, Any]]]] = {True: [], False: []}
     if args.rounds:
-        print(f"\naffinity: {args.rounds} rounds alternating, {args.conversations} conversations x {args.turns} "
+        args.parallel, args.ctx = args.affinity_parallel, 4096 * args.affinity_parallel
+        agent = start(args, procs, model, workdir)
+        print(f"\naffinity (parallel {args.parallel}): {args.rounds} rounds alternating, "
+              f"{args.conversations} conversations x {args.turns} "
               f"turns each, ~{args.system_tokens}-token system prompt of their own")
         for r in range(args.rounds):
             on = r % 2 == 0
@@ -243,7 +242,10 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
               f"mean {summary[True][1] / summary[False][1]:.2f}x (target <= 0.5x)")
 
     if args.flood_rounds:
-        print(f"\nflood: A keeps {args.flood} requests of {args.a_tokens} tokens in flight, B sends "
+        args.parallel, args.ctx = args.flood_parallel, 4096 * args.flood_parallel
+        agent = start(args, procs, model, workdir)
+        print(f"\nflood (parallel {args.parallel}): A keeps {args.flood} requests of {args.a_tokens} tokens in "
+              f"flight, B sends "
               f"{args.b_requests} of {args.b_tokens} tokens one at a time; {args.flood_rounds} rounds")
         phases = ["alone", "fair", "one-tenant"]
         lat: Dict[str, List[float]] = {p: [] for p in phases}
@@ -263,23 +265,57 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
         print(f"  RATIO b_fair/b_alone {b['fair'] / b['alone']:.2f}x (target <= 1.5x); b_one_tenant/b_alone "
               f"{b['one-tenant'] / b['alone']:.2f}x; a_fair/a_one_tenant {a['fair'] / a['one-tenant']:.2f}x "
               f"(target >= 0.9x)")
+        stop(agent)
     return 0
+
+
+def start(args: argparse.Namespace, procs: Processes, model: str, workdir: str) -> Any:
+    """An agent with both preloads ready."""
+    args.port = free_port()
+    config = write_config(args, model, True)
+    log_path = os.path.join(workdir, f"agent-{args.port}.log")
+    proc = procs.start([sys.executable, "-m", "rolemesh.cli", "--config", config], log_path)
+    wait_http(args.port, "/health", proc, log_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=5)
+        conn.request("GET", "/ready")
+        ready = conn.getresponse().status == 200
+        conn.close()
+        if ready:
+            break
+        time.sleep(0.2)
+    return proc
+
+
+def stop(proc: Any) -> None:
+    """Stop an agent (it stops its children) and wait for it."""
+    import signal
+
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=4, help="affinity rounds, on and off alternating (default 4)")
+    parser.add_argument("--rounds", type=int, default=2, help="affinity rounds, on and off alternating (default 2)")
     parser.add_argument("--conversations", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--system-tokens", type=int, default=1500)
     parser.add_argument("--answer-tokens", type=int, default=8)
-    parser.add_argument("--flood-rounds", type=int, default=2, help="flood rounds of three phases (default 2)")
+    parser.add_argument("--think", type=float, default=3.0,
+                        help="seconds a user thinks between turns, at most (uniform; default 3)")
+    parser.add_argument("--flood-rounds", type=int, default=1, help="flood rounds of three phases (default 1)")
     parser.add_argument("--flood", type=int, default=16)
     parser.add_argument("--a-tokens", type=int, default=8)
     parser.add_argument("--b-tokens", type=int, default=32)
     parser.add_argument("--b-requests", type=int, default=6)
-    parser.add_argument("--parallel", type=int, default=2)
-    parser.add_argument("--ctx", type=int, default=8192, help="ctx_size (split over the slots)")
+    parser.add_argument("--b-period", type=float, default=3.0,
+                        help="B starts a request at most every this many seconds (default 3)")
+    parser.add_argument("--affinity-parallel", type=int, default=2,
+                        help="llama-server slots per device for the conversations (default 2: two at once)")
+    parser.add_argument("--flood-parallel", type=int, default=1,
+                        help="slots per device for the flood (default 1: the agent's queue decides the order)")
     parser.add_argument("--verbose", action="store_true", help="print each conversation turn")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args(argv)
