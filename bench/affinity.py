@@ -18,9 +18,10 @@ Flood (``--flood-rounds`` rounds, the phases rotating): tenant A keeps
 one request at a time (``--b-tokens`` tokens).  Phases: B alone; the flood
 with B as its own tenant (fair queueing); the flood with B sending on A's key
 (one tenant: first come, first served, as before fair shares).  B sends one
-request at a time and at most one every ``--b-period`` seconds, so it asks
-for the same work in every phase and A's throughput (its requests finished
-while B runs) compares like with like.  Targets: B's
+request at a time, one every ``--b-period`` seconds (longer than its
+latency), so it asks for the same work in every phase and A's throughput
+(its requests finished in the same window of ``--b-requests`` periods)
+compares like with like.  Targets: B's
 median latency fair vs alone <= 1.5x; A's throughput fair vs one-tenant
 within 10%.
 
@@ -183,7 +184,7 @@ def flood_phase(args: argparse.Namespace, phase: str) -> Tuple[List[float], floa
     began = time.perf_counter()
     for i in range(args.b_requests):
         wait = began + i * args.b_period - time.perf_counter()
-        if wait > 0:  # one at a time, at most one per --b-period: the same work for B in every phase
+        if wait > 0 and flooders:  # one at a time, one per --b-period: the same work for B in every phase
             time.sleep(wait)
         status, _, total, _, _, _ = post(
             args.port, {"model": MODEL, "messages": [{"role": "user", "content": f"Name a colour ({i})."}],
@@ -310,8 +311,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--a-tokens", type=int, default=8)
     parser.add_argument("--b-tokens", type=int, default=32)
     parser.add_argument("--b-requests", type=int, default=6)
-    parser.add_argument("--b-period", type=float, default=3.0,
-                        help="B starts a request at most every this many seconds (default 3)")
+    parser.add_argument("--b-period", type=float, default=5.0,
+                        help="B starts a request every this many seconds, if the last one is done (default 5; "
+                             "longer than B's latency, so that A is measured over the same window with the same "
+                             "work of B in each phase)")
     parser.add_argument("--affinity-parallel", type=int, default=2,
                         help="llama-server slots per device for the conversations (default 2: two at once)")
     parser.add_argument("--flood-parallel", type=int, default=1,
