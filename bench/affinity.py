@@ -162,8 +162,9 @@ def affinity_round(args: argparse.Namespace, seed: int) -> List[Tuple[int, float
     return out
 
 
-def flood_phase(args: argparse.Namespace, phase: str) -> Tuple[List[float], float]:
-    """B's latencies, and A's completed requests per second (None-ish 0 without A)."""
+def flood_phase(args: argparse.Namespace, phase: str) -> Tuple[List[float], float, List[float]]:
+    """B's latencies, A's completed requests per second (0 without A), and
+    llama-server's own time for each of B's requests."""
     stop = threading.Event()
     a_done: List[float] = []
     short = [{"role": "user", "content": "Say something about rivers."}]
@@ -181,17 +182,20 @@ def flood_phase(args: argparse.Namespace, phase: str) -> Tuple[List[float], floa
     time.sleep(2.0 if flooders else 0.0)  # the flood fills the queues first
     b_key = KEYS["a"] if phase == "one-tenant" else KEYS["b"]
     latencies: List[float] = []
+    served: List[float] = []
     began = time.perf_counter()
     for i in range(args.b_requests):
         wait = began + i * args.b_period - time.perf_counter()
         if wait > 0 and flooders:  # one at a time, one per --b-period: the same work for B in every phase
             time.sleep(wait)
-        status, _, total, _, _, _ = post(
+        status, _, total, _, timings, _ = post(
             args.port, {"model": MODEL, "messages": [{"role": "user", "content": f"Name a colour ({i})."}],
                         "max_tokens": args.b_tokens, "temperature": 0, "ignore_eos": True}, b_key, False)
         if status != 200:
             raise RuntimeError(f"tenant B's request failed: HTTP {status}")
         latencies.append(total)
+        # llama-server's own time for it (prompt + generation): the rest is waiting (queue, relay).
+        served.append((float(timings.get("prompt_ms") or 0) + float(timings.get("predicted_ms") or 0)) / 1000)
     rest = began + args.b_requests * args.b_period - time.perf_counter()
     if rest > 0 and flooders:  # A's window is the same length in every phase
         time.sleep(rest)
@@ -200,7 +204,7 @@ def flood_phase(args: argparse.Namespace, phase: str) -> Tuple[List[float], floa
     for t in flooders:
         t.join()
     throughput = len([t for t in a_done if began <= t <= ended]) / (ended - began)
-    return latencies, throughput
+    return latencies, throughput, served
 
 
 def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
@@ -254,11 +258,11 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
         for r in range(args.flood_rounds):
             order = phases[r % 3:] + phases[:r % 3]
             for phase in order:
-                latencies, throughput = flood_phase(args, phase)
+                latencies, throughput, served = flood_phase(args, phase)
                 lat[phase].append(statistics.median(latencies))
                 thr[phase].append(throughput)
-                print(f"  round {r + 1} {phase:10s}: B median {statistics.median(latencies):.3f}s, "
-                      f"A {throughput:.2f} req/s")
+                print(f"  round {r + 1} {phase:10s}: B median {statistics.median(latencies):.3f}s (llama-server's "
+                      f"own time {statistics.median(served):.3f}s), A {throughput:.2f} req/s")
         b = {p: statistics.median(v) for p, v in lat.items()}
         a = {p: statistics.median(v) for p, v in thr.items()}
         print(f"  B median latency: alone {b['alone']:.3f}s, fair {b['fair']:.3f}s, one tenant {b['one-tenant']:.3f}s")
