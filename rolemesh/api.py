@@ -40,6 +40,7 @@ from rolemesh.proxy import CLIENT_GONE, STALLED, Forward, Proxy, UpstreamUnreach
 from rolemesh.readiness import Readiness
 from rolemesh.reload import ReloadResult
 from rolemesh.supervisor import READY, DeviceSupervisor
+from rolemesh.tenants import Tenants
 
 log = Logger()
 
@@ -291,6 +292,7 @@ class NodeAPI:
         keys, limits)."""
         self.config = config
         self._keys = [k.encode("utf-8") for k in config.api_keys]
+        self.tenants = Tenants(config)
 
     def resource(self) -> IResource:
         return _Utf8Guard(self.app.resource())
@@ -299,19 +301,24 @@ class NodeAPI:
 
     def _key_error(self, header: Optional[bytes]) -> Optional[errors.ApiError]:
         """401 unless ``header`` (the raw Authorization value) carries a configured key."""
+        return self._key_index(header)[0]
+
+    def _key_index(self, header: Optional[bytes]) -> Tuple[Optional[errors.ApiError], Optional[int]]:
+        """(401 or None, the index of the key ``header`` carries: None without keys)."""
         if not self._keys:
-            return None
+            return None, None
         scheme, _, token = (header or b"").partition(b" ")
         presented = token.strip()
-        ok = False
-        for key in self._keys:  # compare with every key: time does not leak which
-            ok |= hmac.compare_digest(presented, key)
-        if scheme.lower() != b"bearer" or not ok:
+        found = -1
+        for i, key in enumerate(self._keys):  # compare with every key: time does not leak which
+            if hmac.compare_digest(presented, key):
+                found = i
+        if scheme.lower() != b"bearer" or found < 0:
             return errors.ApiError(
                 401, "missing or invalid API key (send Authorization: Bearer <key>)",
                 "invalid_request_error", "invalid_api_key",
-            )
-        return None
+            ), None
+        return None, found
 
     def _authorize(self, request: RouteRequest) -> None:
         if getattr(request, "key_checked", False):  # the listener checked it from the head (refuse_head)
@@ -616,7 +623,11 @@ class NodeAPI:
         """Check, place and relay one request (see :class:`_Exchange` for its steps)."""
         record = _Record(endpoint, self._request_id(request), time.monotonic())
         try:
-            self._authorize(request)
+            error, key = self._key_index(request.getHeader(b"authorization"))
+            if error is not None:
+                raise error
+            share = self.tenants.share(key, request.getHeader(b"x-rolemesh-tenant"),
+                                       request.getHeader(b"x-rolemesh-priority"))
             if self.node.draining:
                 raise errors.shutting_down()
             body = self._body(request)
@@ -625,8 +636,9 @@ class NodeAPI:
             record.model = model.model_id
             if model.lora_adapters:  # the agent sets the adapters' scales (one attribute test for the others)
                 body = with_lora(payload, model)
-            lease = self.node.lease_now(model)
-            acquired = self.node.acquire(model) if lease is None else None
+            prompt = payload if endpoint != "embeddings" else None  # prefix affinity: not for embeddings
+            lease = self.node.lease_now(model, share, prompt)
+            acquired = self.node.acquire(model, share=share, prompt=prompt) if lease is None else None
         except Exception:
             return defer.fail().addBoth(self._proxied, request, record)
         exchange = _Exchange(self, request, path, body, payload.get("stream") is True, record)

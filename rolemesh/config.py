@@ -25,6 +25,7 @@ import ipaddress
 import json
 import math
 import os
+import re
 import shutil
 import socket
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
@@ -611,11 +612,33 @@ class NodeConfig:
     api_keys: Tuple[str, ...] = derived(
         (),
         KeyDoc("api_key", "string", "unset", "Bearer key every route but `/health` and `/ready` requires."),
-        KeyDoc("api_keys", "list of strings", "`[]`", "Several accepted keys, for rotation."),
+        KeyDoc("api_keys", "list of strings or `{name, key, weight, priority, max_concurrent, tenant_header}` "
+               "mappings", "`[]`",
+               "Several accepted keys (rotation, tenants). Each key is a tenant: a mapping's `name`, a bare "
+               "string's position (`key0`, `key1`, ... in the list of accepted keys); `weight` (positive, "
+               "default 1) is its fair share of a queue, `priority` (`interactive` or `batch`) its default band, "
+               "`max_concurrent` its cap on queued plus running requests (over it: 429 `tenant_limit`), "
+               "`tenant_header: true` lets it name the tenant in `X-RoleMesh-Tenant` (a dispatcher's key)."),
         KeyDoc("api_key_env", "environment variable name", "unset",
                "Read one more accepted key from this environment variable."),
         KeyDoc("api_key_file", "path", "unset", "Read accepted keys from this file, one per line."),
         repr=False)
+    #: The ``api_keys`` entries written as mappings (tenant name, weight,
+    #: band, cap); the other keys are tenants named by position.
+    tenants: Tuple["TenantConfig", ...] = derived((), repr=False)
+    prefix_affinity: bool = key(
+        True, _boolean, "boolean",
+        "Send a prompt to the device whose llama-server cache already holds its beginning (the chat's "
+        "earlier messages, a prompt's leading blocks), where its model is on several devices.")
+    prefix_memory_entries: int = key(
+        4096, _non_negative_int, "non-negative integer",
+        "Prompt prefixes remembered for affinity (least recently used out first; about 100 bytes each; "
+        "a conversation takes one per message): size it to the conversations alive at once times their "
+        "messages. 0 turns affinity off.")
+    prefix_affinity_max_imbalance: int = key(
+        2, _non_negative_int, "non-negative integer",
+        "Affinity yields when the remembered device has more than this many pending requests more than the "
+        "least busy device holding the model.")
     dispatcher_token: Optional[str] = key(None, _string, "string", "Bearer token sent to the dispatcher.", repr=False)
     dispatcher_ca_file: Optional[str] = key(
         None, _string, "path", "PEM CA certificate(s) an `https://` dispatcher's certificate must be signed by.",
@@ -990,13 +1013,68 @@ def _models(value: Any) -> Tuple[ModelConfig, ...]:
     return models
 
 
+@attr.s(auto_attribs=True, frozen=True)
+class TenantConfig:
+    """An ``api_keys`` entry written as a mapping: a named tenant."""
+
+    name: str
+    key: str = attr.ib(repr=False)
+    weight: float = 1.0
+    priority: str = "interactive"
+    max_concurrent: Optional[int] = None
+    tenant_header: bool = False
+
+
+_TENANT_KEYS = ("name", "key", "weight", "priority", "max_concurrent", "tenant_header")
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+def tenant_name(path: str, value: Any) -> str:
+    name = _string(path, value)
+    if not _TENANT_NAME.fullmatch(name) or name == "other":
+        raise _fail(path, "a tenant name of 1-64 letters, digits, '.', '_', ':' or '-' (not 'other')", value)
+    return name
+
+
+def _tenant(path: str, value: Any) -> TenantConfig:
+    unknown = [k for k in value if k not in _TENANT_KEYS]
+    if unknown:
+        raise ConfigError(f"{path}.{_key_name(unknown[0])}: unknown key (expected one of {', '.join(_TENANT_KEYS)})")
+    for required in ("name", "key"):
+        if value.get(required) is None:
+            raise ConfigError(f"{path}.{required}: required")
+    cap = _optional(value, "max_concurrent", path + ".", _positive_int)
+    return TenantConfig(
+        tenant_name(f"{path}.name", value["name"]), _string(f"{path}.key", value["key"]),
+        float(_optional(value, "weight", path + ".", _positive_number) or 1.0),
+        _optional(value, "priority", path + ".", _one_of("interactive", "batch")) or "interactive",
+        cap, bool(_optional(value, "tenant_header", path + ".", _boolean)))
+
+
+def _tenants(data: Mapping[str, Any]) -> Tuple[TenantConfig, ...]:
+    """The mapping entries of ``api_keys`` (checked in :func:`_api_keys`)."""
+    entries = data.get("api_keys") or []
+    out = tuple(_tenant(f"api_keys[{i}]", v) for i, v in enumerate(entries) if isinstance(v, dict))
+    seen: Dict[str, int] = {}
+    for i, tenant in enumerate(out):
+        if tenant.name in seen:
+            raise ConfigError(f"api_keys: the tenant name {_show(tenant.name)} is used twice")
+        seen[tenant.name] = i
+    return out
+
+
 def _api_keys(data: Mapping[str, Any]) -> Tuple[str, ...]:
     """``api_keys`` from ``api_key`` and ``api_keys``; the ``api_key_env`` and
     ``api_key_file`` names are checked here and read by :func:`check_environment`."""
     keys: List[str] = []
     if data.get("api_key") is not None:
         keys.append(_string("api_key", data["api_key"]))
-    keys.extend(_string_list("api_keys", data.get("api_keys") or []))
+    entries = data.get("api_keys") or []
+    if not isinstance(entries, list):
+        raise _fail("api_keys", "a list of strings or {name, key, ...} mappings", entries)
+    for i, entry in enumerate(entries):
+        keys.append(_tenant(f"api_keys[{i}]", entry).key if isinstance(entry, dict)
+                    else _string(f"api_keys[{i}]", entry))
     _optional(data, "api_key_env", "", _string)
     _optional(data, "api_key_file", "", _string)
     return tuple(dict.fromkeys(keys))
@@ -1126,6 +1204,7 @@ def parse(data: Mapping[str, Any]) -> NodeConfig:
     values = _checked_keys(NodeConfig, data, "", {
         "models": lambda _: _models(data.get("models")),
         "api_keys": lambda _: _api_keys(data),
+        "tenants": lambda _: _tenants(data),
         "preload": lambda so_far: _preload(data.get("preload"), so_far["models"]),
     })
     values.update(_listener(values))

@@ -238,6 +238,7 @@ class NodeMetrics:
             "queue_timeout": self._on_queue_timeout,
             "idle_unload": self._on_idle_unload,
             "queue_wait": self._on_queue_wait,
+            "tenant_limit": self._on_tenant_limit,
             "load": self._on_load,
         }
         for event in SUPERVISOR_COUNTERS:
@@ -305,6 +306,19 @@ class NodeMetrics:
             QUEUE_WAIT_BUCKETS,
         )
         self.registry.register(self.queue_wait)
+        self.tenant_wait = _PlainHistogram(
+            "rolemesh_tenant_queue_wait_seconds",
+            "Seconds a tenant's request waited in a device queue (tenants of the config, others as `other`).",
+            ["tenant"],
+            QUEUE_WAIT_BUCKETS,
+        )
+        self.registry.register(self.tenant_wait)
+        self.tenant_limited = Counter(
+            "rolemesh_tenant_limited",
+            "Requests refused with 429 tenant_limit (the tenant's max_concurrent).",
+            ["tenant"],
+            registry=self.registry,
+        )
         self._models  # noqa: B018 - worked out here once: pre-creates the per-model counters
         for device_name in self.node.supervisors:
             self.queue_wait.labels((device_name,))
@@ -381,11 +395,29 @@ class NodeMetrics:
         if name is not None:
             self.idle_unloads.labels(device=name, model=self._model(model)).inc()
 
-    def _on_queue_wait(self, device: object = None, seconds: object = None, **_: object) -> None:
+    def _on_queue_wait(self, device: object = None, seconds: object = None, tenant: object = None,
+                       **_: object) -> None:
         name = self._device(device)
         wait = finite_number(seconds)
         if name is not None and wait is not None:
             self.queue_wait.observe((name,), max(0.0, wait))
+            if tenant is not None:
+                self.tenant_wait.observe((self.tenant_label(tenant),), max(0.0, wait))
+
+    def _on_tenant_limit(self, tenant: object = None, **_: object) -> None:
+        self.tenant_limited.labels(tenant=self.tenant_label(tenant)).inc()
+
+    _tenants_of: Optional[NodeConfig] = None
+    _tenant_names: frozenset = frozenset()
+
+    def tenant_label(self, tenant: object) -> str:
+        """A tenant's label: its name if the config names it, else ``other`` (a bounded set)."""
+        config = self.node.config
+        if self._tenants_of is not config:
+            from rolemesh.tenants import Tenants
+
+            self._tenants_of, self._tenant_names = config, Tenants(config).names
+        return tenant if isinstance(tenant, str) and tenant in self._tenant_names else "other"
 
     # -- supervisors ---------------------------------------------------------------
 
@@ -458,13 +490,36 @@ class _LiveCollector(Collector):
             "max_pending_requests_per_device: in flight plus queued admitted per device.",
             labels=["device"],
         )
+        by_tenant: Dict[str, List[int]] = {}
+        label = self._metrics.tenant_label
+        label("")  # the running config's tenant names, worked out once per config
         for name, book in scheduler.devices.items():
             in_flight.add_metric([name], len(book.running))
             queued.add_metric([name], len(book.queue))
             limit.add_metric([name], scheduler.pending_limit)
+            for i, tickets in enumerate((book.running, book.queue)):
+                for ticket in tickets:
+                    by_tenant.setdefault(label(ticket.share.tenant), [0, 0])[i] += 1
         yield in_flight
         yield queued
         yield limit
+        tenant_running = GaugeMetricFamily(
+            "rolemesh_tenant_running", "A tenant's requests running now (others as `other`).", labels=["tenant"])
+        tenant_queued = GaugeMetricFamily(
+            "rolemesh_tenant_queued", "A tenant's requests waiting in device queues now.", labels=["tenant"])
+        for tenant in sorted(set(by_tenant) | self._metrics._tenant_names):
+            running, waiting = by_tenant.get(tenant, (0, 0))
+            tenant_running.add_metric([tenant], running)
+            tenant_queued.add_metric([tenant], waiting)
+        yield tenant_running
+        yield tenant_queued
+        prefixes = self._metrics.node.prefixes
+        yield GaugeMetricFamily("rolemesh_prefix_memory_entries",
+                                "Prompt prefixes remembered for prefix affinity now.", value=len(prefixes))
+        yield CounterMetricFamily("rolemesh_prefix_lookups", "Requests that looked their prompt prefix up "
+                                  "(a model on several devices).", value=prefixes.lookups)
+        yield CounterMetricFamily("rolemesh_prefix_hits", "Lookups that found the device that served the prefix.",
+                                  value=prefixes.hits)
 
     def _children(self) -> Iterator[Metric]:
         metrics = self._metrics

@@ -27,14 +27,17 @@ from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.estimate import GGUFFacts, MemoryEstimate, capacity_of, estimate_on, gib, shared_memory
 from rolemesh.events import Events
+from rolemesh.fairqueue import DEFAULT_SHARE, Share
 from rolemesh.interfaces import IDeviceBackend, IHTTPClientReactor
 from rolemesh.node_events import NodeFeed
 from rolemesh.payloads import device_state
+from rolemesh.prefix import PrefixMemory, prefix_hashes
 from rolemesh.reactor import UsesReactor
 from rolemesh.readahead import ReadAhead
 from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
 from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor, StateChange
 from rolemesh.telemetry import TelemetrySampler, device_issues, load_progress
+from rolemesh.tenants import tenant_limit
 
 log = Logger()
 
@@ -77,6 +80,7 @@ class _Acquisition:
     queued_at: float = 0.0
     #: The client went away (while evicted children stopped, say).
     cancelled: bool = False
+    share: Share = DEFAULT_SHARE
 
 
 @attr.s(eq=False, auto_attribs=True)
@@ -153,6 +157,10 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         #: The node's typed events (rolemesh.node_events): the events route's and the dispatcher's source.
         self.feed = NodeFeed(reactor)
         self.feed.watch(self)
+        #: Which device last served each prompt prefix (prefix affinity).
+        self.prefixes = PrefixMemory(config.prefix_memory_entries if config.prefix_affinity else 0)
+        #: model id -> [prefix lookups, hits].
+        self._prefix_counts: Dict[str, List[int]] = {}
 
     def _emit(self, event: str, **fields: Any) -> None:
         self.events.emit(event, **fields)
@@ -286,7 +294,39 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
 
     # -- requests -------------------------------------------------------------------
 
-    def acquire(self, model: ModelConfig, device: Optional[str] = None) -> "Deferred[Lease]":
+    def _capped(self, share: Share) -> Optional[errors.ApiError]:
+        """429 ``tenant_limit`` when the tenant already has its cap of requests queued or running."""
+        cap = share.max_concurrent
+        if cap is not None and self.scheduler.tenant_pending.get(share.tenant, 0) >= cap:
+            return tenant_limit(share.tenant, cap)
+        return None
+
+    def _prefixes(self, lanes: List[str], prompt: Optional[Mapping[str, Any]]) -> Optional[List[int]]:
+        """The prompt's prefix hashes, where affinity can choose (several lanes); else None."""
+        if prompt is None or len(lanes) < 2 or not self.prefixes.entries:
+            return None
+        return prefix_hashes(prompt) or None
+
+    def _prefer(self, model: ModelConfig, hashes: Optional[List[int]]) -> Optional[str]:
+        """The device that served the prompt's longest remembered prefix (counted per model)."""
+        if not hashes:
+            return None
+        found = self.prefixes.lookup(hashes)
+        counts = self._prefix_counts.get(model.model_id)
+        if counts is None:
+            counts = self._prefix_counts[model.model_id] = [0, 0]
+        counts[0] += 1
+        counts[1] += found is not None
+        return found
+
+    def cache_hit_rates(self) -> Dict[str, Optional[float]]:
+        """Per model: the share of prefix lookups that found the device holding
+        the prompt's beginning (the heartbeat's ``cache_hit_rate``)."""
+        return {model.model_id: (lambda c: c[1] / c[0] if c and c[0] else None)(
+            self._prefix_counts.get(model.model_id)) for model in self.config.models}
+
+    def acquire(self, model: ModelConfig, device: Optional[str] = None, share: Share = DEFAULT_SHARE,
+                prompt: Optional[Mapping[str, Any]] = None) -> "Deferred[Lease]":
         if self.draining:
             return defer.fail(errors.shutting_down())
         try:
@@ -294,15 +334,24 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             lanes = self._not_backing_off(model, lanes, device)
         except errors.ApiError as e:
             return defer.fail(e)
+        capped = self._capped(share)
+        if capped is not None:
+            self._emit("tenant_limit", tenant=share.tenant)
+            return defer.fail(capped)
+        hashes = self._prefixes(lanes, prompt) if device is None else None
+        prefer = self._prefer(model, hashes)
         request = _Acquisition(model, Deferred(lambda d: self._cancel(ticket, request)),
-                               queued_at=self.reactor.seconds())
+                               queued_at=self.reactor.seconds(), share=share)
         try:
             ticket = self.scheduler.submit(model.model_id, model.parallel, device, context=request,
-                                           lanes=lanes, need=need)
+                                           lanes=lanes, need=need, share=share, prefer=prefer,
+                                           max_imbalance=self.config.prefix_affinity_max_imbalance)
         except QueueFull:
             self._emit("queue_full", model=model.model_id)
             where = f"device {device}" if device else "every device that can take it"
             return defer.fail(errors.queue_full(where, self.config.max_pending_requests_per_device))
+        if hashes:
+            self.prefixes.remember(hashes, ticket.device)  # type: ignore[arg-type]  # set by submit
         if ticket.state == QUEUED:
             request.queue_timer = self.reactor.callLater(
                 self.config.queue_timeout_s, self._queue_timed_out, ticket, request)
@@ -324,7 +373,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             raise min((r for r in refusals.values() if r is not None), key=lambda r: r.retry_after or 0)
         return lanes if device else open_lanes
 
-    def lease_now(self, model: ModelConfig) -> Optional[Lease]:
+    def lease_now(self, model: ModelConfig, share: Share = DEFAULT_SHARE,
+                  prompt: Optional[Mapping[str, Any]] = None) -> Optional[Lease]:
         """A lease at once, without a Deferred, when the request would start
         there and then on a ready child of ``model`` (see
         :meth:`Scheduler.admit`: nearly every request on a node serving its
@@ -336,22 +386,30 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             lanes, need, _ = self._placement(model, None)
         except errors.ApiError:
             return None  # acquire() refuses it, the same way
+        if share.max_concurrent is not None and self._capped(share) is not None:
+            return None  # acquire() refuses it
+        hashes = self._prefixes(lanes, prompt)
+        prefer = self._prefer(model, hashes)
         supervisors = self.supervisors
         ticket = self.scheduler.admit(model.model_id, model.parallel, lanes, need,
-                                      ready=lambda lane: supervisors[lane].serving(model) is not None)
+                                      ready=lambda lane: supervisors[lane].serving(model) is not None,
+                                      share=share, prefer=prefer,
+                                      max_imbalance=self.config.prefix_affinity_max_imbalance)
         if ticket is None:
-            return None
+            return None  # acquire() looks the prefix up again: a rare second lookup
         supervisor = supervisors[ticket.device]  # type: ignore[index]
         endpoint = supervisor.serving(model)
         assert endpoint is not None  # ready() said so, a moment ago
-        self._started(supervisor.name, model, 0.0)
+        if hashes:
+            self.prefixes.remember(hashes, supervisor.name)
+        self._started(supervisor.name, model, 0.0, share)
         return Lease(ticket, endpoint, supervisor, self._release, model=model)
 
-    def _started(self, device: str, model: ModelConfig, waited: float) -> None:
+    def _started(self, device: str, model: ModelConfig, waited: float, share: Share = DEFAULT_SHARE) -> None:
         """A request begins on ``device``: its idle timers stop, its queue wait is observed."""
         self._cancel_idle_timer(device)
         self._cancel_inference_probe(device)
-        self._emit("queue_wait", device=device, model=model.model_id, seconds=waited)
+        self._emit("queue_wait", device=device, model=model.model_id, seconds=waited, tenant=share.tenant)
 
     def _queue_timed_out(self, ticket: Ticket, request: _Acquisition) -> None:
         request.queue_timer = None
@@ -539,7 +597,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             self._refuse(request)
             return
         supervisor = self.supervisors[ticket.device]  # type: ignore[index]
-        self._started(supervisor.name, request.model, self.reactor.seconds() - request.queued_at)
+        self._started(supervisor.name, request.model, self.reactor.seconds() - request.queued_at, request.share)
         if not ticket.evict:
             endpoint = supervisor.serving(request.model)
             if endpoint is not None:  # nearly every request: the child is ready, no Deferred to wait on
@@ -718,6 +776,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
 
         self.config = config
         self._placements.clear()
+        self.prefixes.resize(config.prefix_memory_entries if config.prefix_affinity else 0)
         self.scheduler.pending_limit = config.max_pending_requests_per_device
         current = {m.model_id: m for m in config.models}
         for name, supervisor in self.supervisors.items():
@@ -758,6 +817,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         """A supervisor's state change, told once its transition is complete:
         ``change`` says which state it was about (the supervisor may be further on)."""
         model, name, state = change.model, change.name, change.state
+        if state in (STOPPED, FAILED):  # the child is gone, and its prompt cache with it
+            self.prefixes.forget(name)
         if model is None:
             return
         if state == STARTING:
@@ -910,6 +971,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             "groups": self.group_states(),
             "models": [{**self.model_memory(m), "chat_template": chat_templates.describe_model(m)}
                        for m in self.config.models],
+            "prefix_memory": {**self.prefixes.to_json(), "affinity": self.config.prefix_affinity,
+                              "per_model_hit_rate": self.cache_hit_rates()},
         }
 
     def _backoff_json(self, supervisor: DeviceSupervisor) -> List[Dict[str, Any]]:

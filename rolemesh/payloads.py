@@ -128,8 +128,13 @@ def heartbeat_payload(
     seq: int,
     now: float,
     devices: Sequence[Mapping[str, Any]],
+    cache_hit_rate: Optional[Mapping[str, Optional[float]]] = None,
 ) -> Dict[str, Any]:
     """The body of ``POST <dispatcher>/v1/nodes/heartbeat``.
+
+    ``cache_hit_rate`` (model id -> share of its requests whose prompt
+    prefix was found on a device; None: none looked up) shows a dispatcher
+    where conversations stick.
 
     ``seq`` increases by one per heartbeat for the life of the process, so the
     dispatcher can drop reordered or duplicated beats; ``now`` is POSIX
@@ -145,8 +150,11 @@ def heartbeat_payload(
         if isinstance(metrics, DeviceMetrics):
             entry["metrics"] = metrics.to_json(now)
         entries.append(entry)
-    return {"schema_version": HEARTBEAT_SCHEMA_VERSION, "node_id": node_id, "seq": seq, "time": now,
-            "devices": entries}
+    out = {"schema_version": HEARTBEAT_SCHEMA_VERSION, "node_id": node_id, "seq": seq, "time": now,
+           "devices": entries}
+    if cache_hit_rate is not None:
+        out["cache_hit_rate"] = dict(cache_hit_rate)
+    return out
 
 
 #: The heartbeat body's version when it carries ``last_seq`` (sent to a

@@ -60,6 +60,10 @@ LIVE_KEYS = frozenset({
     "shutdown_grace_s",
     "idle_unload_s",
     "require_auth_off_loopback",
+    "tenants",
+    "prefix_affinity",
+    "prefix_memory_entries",
+    "prefix_affinity_max_imbalance",
 })
 
 #: Top-level fields fixed at start-up: a change is reported, not applied.
@@ -68,7 +72,7 @@ RESTART_KEYS = tuple(
 )
 
 #: Fields whose values never appear in an answer or a log line.
-SECRET_KEYS = frozenset({"api_keys", "dispatcher_token"})
+SECRET_KEYS = frozenset({"api_keys", "tenants", "dispatcher_token"})
 
 #: How :func:`plan` names a field in answers (``api_keys`` comes from four keys).
 _SHOWN = {"api_keys": "api keys (api_key, api_keys, api_key_env, api_key_file)"}

@@ -32,6 +32,18 @@ counts as an overtake of every overlapping lane's waiting head; a head that
 has been overtaken ``starvation_bound`` times claims its devices, and no
 overlapping lane starts anything until it has run (the oldest claim wins).
 
+Fair shares (see :mod:`rolemesh.fairqueue`): a ticket carries a
+:class:`~rolemesh.fairqueue.Share` (tenant, band, weight); a lane's queue is
+kept in band order, then fair order across tenants within a band -- never
+ahead of a ticket that has been overtaken ``starvation_bound`` times, so the
+bound above holds -- and the switch rules apply to that order.  The
+scheduler counts each tenant's queued and running tickets (``tenant_pending``,
+O(1) per request) for the caller's concurrency caps.
+
+Prefix affinity (see :mod:`rolemesh.prefix`): a request may name a lane it prefers
+(``prefer``) among those holding its model; it gets it unless that lane has
+more than ``max_imbalance`` pending requests more than the least busy one.
+
 Memory: a request may say how many bytes it needs per lane; among lanes
 without the model, those whose free memory (plus what the models they would
 evict hold) covers the need come first.
@@ -46,6 +58,8 @@ from typing import Callable, Deque, Dict, Iterable, List, Mapping, Optional, Seq
 import attr
 
 from rolemesh.enums import StrEnum
+from rolemesh.fairqueue import DEFAULT_SHARE, FairOrder, Share
+from rolemesh.prefix import affine_choice
 
 
 class TicketState(StrEnum):
@@ -92,6 +106,10 @@ class Ticket:
     evict: List[str] = attr.Factory(list)
     #: Bytes the model needs on each eligible lane (None: unknown).
     need: Optional[Mapping[str, int]] = None
+    #: Whose request it is, and its band (fair queueing).
+    share: Share = DEFAULT_SHARE
+    #: Its place in the lane's fair order (band rank, start tag).
+    order: Tuple[int, float] = (0, 0.0)
 
 
 @attr.s(eq=False, auto_attribs=True)
@@ -109,6 +127,7 @@ class DeviceBook:
     held: int = 0
     running: List[Ticket] = attr.Factory(list)
     queue: Deque[Ticket] = attr.Factory(collections.deque)
+    fair: FairOrder = attr.Factory(FairOrder)
 
     @property
     def pending(self) -> int:
@@ -151,6 +170,8 @@ class Scheduler:
         self.starvation_bound = starvation_bound
         self._on_start = on_start
         self._ids = itertools.count(1)
+        #: Queued plus running tickets per tenant (absent: none).
+        self.tenant_pending: Dict[str, int] = {}
 
     # -- choosing -------------------------------------------------------------
 
@@ -160,11 +181,16 @@ class Scheduler:
         only: Optional[str] = None,
         lanes: Optional[Sequence[str]] = None,
         need: Optional[Mapping[str, int]] = None,
+        prefer: Optional[str] = None,
+        max_imbalance: int = 0,
     ) -> DeviceBook:
         """The lane a new request for ``model_id`` should queue on.
 
         ``lanes`` are the ones the model may use (default: every single
-        device); ``only`` narrows them to one (operator load, preload)."""
+        device); ``only`` narrows them to one (operator load, preload);
+        ``prefer`` is the lane prefix affinity asks for, taken among those
+        holding the model unless it is busier than the least busy by more
+        than ``max_imbalance``."""
         names = lanes if lanes is not None else [n for n, b in self.devices.items() if not b.is_group]
         if len(names) == 1 and (only is None or names[0] == only):
             # One lane (one device, or a model pinned to one): it, if it has room.
@@ -178,6 +204,10 @@ class Scheduler:
             raise QueueFull(model_id)
         holding = [b for b in room if b.model == model_id]
         if holding:
+            if prefer is not None and len(holding) > 1:
+                chosen = affine_choice({b.name: b.pending for b in holding}, prefer, max_imbalance)
+                if chosen is not None:
+                    return self.devices[chosen]
             return min(holding, key=lambda b: (b.pending, b.order))
         fitting = [b for b in room if self._fits(b, (need or {}).get(b.name))] or room
         return min(
@@ -205,15 +235,46 @@ class Scheduler:
         context: object = None,
         lanes: Optional[Sequence[str]] = None,
         need: Optional[Mapping[str, int]] = None,
+        share: Share = DEFAULT_SHARE,
+        prefer: Optional[str] = None,
+        max_imbalance: int = 0,
     ) -> Ticket:
         """Queue a request; raises QueueFull.  ``device`` pins it to one lane
         (operator load requests, preload).  ``on_start`` may run before this
         returns, so ``context`` carries what it needs."""
-        book = self.choose(model_id, only=device, lanes=lanes, need=need)
-        ticket = Ticket(next(self._ids), model_id, max(1, parallel), book.name, context=context, need=need)
-        book.queue.append(ticket)
+        book = self.choose(model_id, only=device, lanes=lanes, need=need, prefer=prefer, max_imbalance=max_imbalance)
+        ticket = Ticket(next(self._ids), model_id, max(1, parallel), book.name, context=context, need=need,
+                        share=share, order=book.fair.tag(share))
+        self._count(share.tenant, 1)
+        self._enqueue(book, ticket)
         self._settle(book)
         return ticket
+
+    def _count(self, tenant: str, delta: int) -> None:
+        pending = self.tenant_pending
+        left = pending.get(tenant, 0) + delta
+        if left > 0:
+            pending[tenant] = left
+        else:
+            pending.pop(tenant, None)
+
+    def _enqueue(self, book: DeviceBook, ticket: Ticket) -> None:
+        """Into ``book``'s queue at its fair place: after every ticket of a
+        lower or equal (band, tag), and never ahead of one that has been
+        overtaken ``starvation_bound`` times (it has waited long enough)."""
+        queue = book.queue
+        key = ticket.order
+        position = len(queue)
+        bound = self.starvation_bound
+        while position > 0:
+            ahead = queue[position - 1]
+            if ahead.order <= key or ahead.overtaken >= bound:
+                break
+            position -= 1
+        if position == len(queue):
+            queue.append(ticket)
+        else:
+            queue.insert(position, ticket)
 
     def admit(
         self,
@@ -222,6 +283,9 @@ class Scheduler:
         lanes: Optional[Sequence[str]] = None,
         need: Optional[Mapping[str, int]] = None,
         ready: Callable[[str], bool] = lambda lane: True,
+        share: Share = DEFAULT_SHARE,
+        prefer: Optional[str] = None,
+        max_imbalance: int = 0,
     ) -> Optional[Ticket]:
         """A running ticket at once, when :meth:`submit` would start one then
         and there without a switch: the lane it would choose holds the model,
@@ -230,13 +294,14 @@ class Scheduler:
         nearly every request on a busy node.  Else None, and nothing changed:
         :meth:`submit` it.  ``on_start`` is not called: the caller starts it."""
         try:
-            book = self.choose(model_id, lanes=lanes, need=need)
+            book = self.choose(model_id, lanes=lanes, need=need, prefer=prefer, max_imbalance=max_imbalance)
         except QueueFull:
             return None
         if (book.model != model_id or book.queue or len(book.running) >= book.slots or self.overlaps[book.name]
                 or not ready(book.name)):
             return None
-        ticket = Ticket(next(self._ids), model_id, max(1, parallel), book.name, RUNNING, need=need)
+        ticket = Ticket(next(self._ids), model_id, max(1, parallel), book.name, RUNNING, need=need, share=share)
+        self._count(share.tenant, 1)
         book.slots = ticket.parallel  # as _start does
         book.running.append(ticket)
         return ticket
@@ -250,6 +315,7 @@ class Scheduler:
         book = self.devices[ticket.device]  # type: ignore[index]
         book.running.remove(ticket)
         ticket.state = DONE
+        self._count(ticket.share.tenant, -1)
         self._settle(book)
 
     def cancel(self, ticket: Ticket) -> None:
@@ -260,6 +326,7 @@ class Scheduler:
             book = self.devices[ticket.device]  # type: ignore[index]
             book.queue.remove(ticket)
             ticket.state = CANCELLED
+            self._count(ticket.share.tenant, -1)
             self._settle(book)
 
     def model_loaded(self, device: str, model_id: str, slots: int = 1) -> None:
@@ -313,6 +380,7 @@ class Scheduler:
                 other.queue[0].overtaken += 1
         book.model, book.slots = ticket.model_id, ticket.parallel
         book.running.append(ticket)
+        book.fair.started(ticket.order)
         ticket.state = RUNNING
         self._on_start(ticket)
 
@@ -348,6 +416,9 @@ class Scheduler:
             # go first (a switch costs a reload), a bounded number of times.
             if head.overtaken < self.starvation_bound and len(book.running) < book.slots:
                 position = self._first_for_current_model(book)
+                if position is not None and position > 1 and any(
+                        ahead.overtaken >= self.starvation_bound for ahead in itertools.islice(book.queue, position)):
+                    position = None  # one ahead has waited long enough (fair order put it behind the head)
                 if position is not None:
                     for ahead in itertools.islice(book.queue, position):
                         ahead.overtaken += 1

@@ -651,7 +651,8 @@ def _dispatcher(config: NodeConfig, node: Node, registration: Callable[[], dict]
     seq = itertools.count(1)
 
     def heartbeat() -> dict:
-        return heartbeat_payload(config.node_id, next(seq), node.reactor.seconds(), node.device_states())
+        return heartbeat_payload(config.node_id, next(seq), node.reactor.seconds(), node.device_states(),
+                                 node.cache_hit_rates())
 
     assert config.dispatcher_base_url is not None
     return DispatcherClient(

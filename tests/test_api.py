@@ -277,8 +277,8 @@ class ProxiedRequestTests(ApiTestCase):
             self.h.node.draining = True
             self.assertError(self.h.chat({"model": "a", **CHAT}), 503)
             self.h.node.draining = False
-            self.patch(self.h.node, "lease_now", lambda model: None)
-            self.patch(self.h.node, "acquire", lambda model: defer.fail(errors.queue_timeout("device gpu:0", 30)))
+            self.patch(self.h.node, "lease_now", lambda model, *_: None)
+            self.patch(self.h.node, "acquire", lambda model, **_: defer.fail(errors.queue_timeout("device gpu:0", 30)))
             self.assertError(self.h.chat({"model": "a", **CHAT}), 503, "queue_timeout")
             self.h.observed  # noqa: B018 - the records are written a moment after the answers
         lines = [formatEvent(e) for e in events if e.get("log_namespace") == "rolemesh.api"]

@@ -223,7 +223,8 @@ class TopLevelTypeTests(ConfigTestCase):
         self.assertError({"api_key": 12345}, "api_key: expected a non-empty string, got 12345")
 
     def test_api_keys(self) -> None:
-        self.assertError({"api_keys": "k1"}, 'api_keys: expected a list of strings, got "k1"')
+        self.assertError({"api_keys": "k1"},
+                         'api_keys: expected a list of strings or {name, key, ...} mappings, got "k1"')
         self.assertError({"api_keys": ["k1", ""]}, 'api_keys[1]: expected a non-empty string, got ""')
 
     def test_dispatcher_token(self) -> None:

@@ -386,7 +386,8 @@ class LeaseNowTests(SynchronousTestCase):
         assert lease is not None
         self.assertEqual((lease.device, lease.endpoint.model_id, lease.ticket.state), ("gpu:0", "a", RUNNING))
         self.assertEqual(h.book().running, [lease.ticket])
-        self.assertEqual(h.events, [("queue_wait", {"device": "gpu:0", "model": "a", "seconds": 0.0})])
+        self.assertEqual(h.events, [("queue_wait", {"device": "gpu:0", "model": "a", "seconds": 0.0,
+                                                    "tenant": "default"})])
         lease.release()
         lease.release()
         self.assertTrue(h.idle())
@@ -901,7 +902,8 @@ class ReportingTests(SynchronousTestCase):
         self.successResultOf(d)
         h.node.acquire(h.model("a"))  # queued behind it
         inventory = h.node.inventory()
-        self.assertEqual(set(inventory), {"node_id", "backend", "draining", "warnings", "devices", "groups", "models"})
+        self.assertEqual(set(inventory), {"node_id", "backend", "draining", "warnings", "devices", "groups", "models",
+                                          "prefix_memory"})
         self.assertEqual(inventory["warnings"], [], "loopback: nothing to warn about")
         self.assertEqual((inventory["node_id"], inventory["backend"], inventory["draining"]),
                          ("test-node", "fake", False))
