@@ -199,7 +199,7 @@ class NodeFeed:
         if event == DRAINING:
             self.publish(DRAINING, None, None, state="draining")
         elif event in ("queue_full", "queue_wait", "queue_timeout"):
-            self.check_queues()
+            self.check_queues(fields.get("device"))
 
     # -- what the periodic sample finds -------------------------------------------
 
@@ -226,12 +226,16 @@ class NodeFeed:
                 self.publish(ISSUE_CLEARED, device, entry.get("model"), code=code, message=before[code])
             self._issues[device] = now
 
-    def check_queues(self) -> None:
+    def check_queues(self, only: Optional[str] = None) -> None:
+        """Queue pressure crossing a threshold, on every device (or ``only``
+        that one: a request's own event, on the request path)."""
         node = self._node
         if node is None:
             return
         limit = node.scheduler.pending_limit
-        for device, book in node.scheduler.devices.items():
+        books = node.scheduler.devices
+        items = books.items() if only is None or only not in books else ((only, books[only]),)
+        for device, book in items:
             queued = len(book.queue)
             share = queued / limit if limit else 0.0
             model = getattr(book, "model", None)

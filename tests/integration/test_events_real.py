@@ -10,9 +10,9 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
-from twisted.trial.unittest import SkipTest, SynchronousTestCase
+from twisted.trial.unittest import SynchronousTestCase
 
 from tests.fixtures.llama import free_port
 from tests.integration.fake_dispatcher_server import FakeDispatcherProcess
@@ -112,13 +112,13 @@ class DeltasRealTests(SynchronousTestCase):
         self.fake = FakeDispatcherProcess(free_port(), log_path=os.path.join(self.dir, "dispatcher.log"))
         self.addCleanup(self.fake.stop)
 
-    def start_agent(self, **top: Any) -> AgentProcess:
+    def start_agent(self, env: Optional[Dict[str, str]] = None, **top: Any) -> AgentProcess:
         agent = AgentProcess(self.dir, {
             "node_id": NODE_ID,
             "dispatcher_base_url": self.fake.url,
             "shutdown_grace_s": 5,
             **top,
-        })
+        }, env=env)
         self.addCleanup(agent.stop)
         return agent
 
@@ -151,21 +151,31 @@ class DeltasRealTests(SynchronousTestCase):
         self.assertEqual([r for r in self.fake.received("heartbeat") if r["at"] > killed], [])  # not a heartbeat
 
     def test_a_burst_of_twenty_changes_is_one_or_two_messages(self) -> None:
-        """Ten children killed at once: each a crash (failed) and an unload, 20
-        changes.  ``cpu_devices`` cannot exceed the usable cores, so a host with
-        fewer than ten makes the burst 2 per core (4 on two cores); the exact
-        20-change burst is also DeltaTests' on the client itself."""
-        devices = min(10, len(os.sched_getaffinity(0)))
-        if devices < 2:
-            raise SkipTest("needs two usable cores for two cpu devices")
+        """Ten children killed at once: each a crash (failed) and an unload,
+        20 changes.  Ten devices on a 2-core host: the cuda backend over a
+        stand-in ``nvidia-smi`` listing ten GPUs (NVML is not installed here,
+        so the backend asks nvidia-smi), each child the fake llama-server."""
+        devices = 10
+        bin_dir = os.path.join(self.dir, "bin")
+        os.makedirs(bin_dir, exist_ok=True)
+        smi = os.path.join(bin_dir, "nvidia-smi")
+        with open(smi, "w", encoding="ascii") as f:
+            f.write("#!/bin/sh\n"
+                    f'if [ "$1" = "-L" ]; then for i in $(seq 0 {devices - 1}); do '
+                    'echo "GPU $i: Stand-in GPU (UUID: GPU-00000000-0000-0000-0000-00000000000$i)"; done; exit 0; fi\n'
+                    f"for i in $(seq 0 {devices - 1}); do "
+                    'echo "$i, GPU-00000000-0000-0000-0000-00000000000$i, Stand-in GPU, 81559, 0, 81559, 0, 30, 50"; '
+                    "done\n")
+        os.chmod(smi, 0o755)
         model = os.path.join(self.dir, "m.gguf")
         open(model, "wb").close()  # the fake llama-server does not read it
         agent = self.start_agent(
-            cpu_devices=devices, llama_server_bin=write_fake_llama_server_bin(self.dir),
+            env={"PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")},
+            backend="cuda", llama_server_bin=write_fake_llama_server_bin(self.dir),
             models=[{"model_id": "m", "path": model}],
-            preload=[{"model": "m", "device": f"cpu:{i}"} for i in range(devices)],
+            preload=[{"model": "m", "device": f"gpu:{i}"} for i in range(devices)],
         )
-        wait_until(lambda: sum(d.get("state") == "ready" for d in self.view().values()) == devices, 30,
+        wait_until(lambda: sum(d.get("state") == "ready" for d in self.view().values()) == devices, 60,
                    interval=0.1, what="the dispatcher seeing every device ready")
         pids = agent.child_pids()
         self.assertEqual(len(pids), devices)
@@ -180,7 +190,9 @@ class DeltasRealTests(SynchronousTestCase):
                   if any(e.get("state") in ("stopped", "failed") for e in r["body"]["events"])]
         self.assertIn(len(bodies), (1, 2), [r["body"] for r in bodies])
         told = {e["device"] for r in bodies for e in r["body"]["events"]}
-        self.assertEqual(told, {f"cpu:{i}" for i in range(devices)})
+        self.assertEqual(told, {f"gpu:{i}" for i in range(devices)})
+        self.assertGreaterEqual(sum(len(r["body"]["events"]) for r in bodies), devices,
+                                "every device's change is in them")
 
     def test_an_old_protocol_dispatcher_still_gets_heartbeats(self) -> None:
         self.fake.mode(events_route=False)
