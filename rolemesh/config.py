@@ -329,6 +329,12 @@ def _adapters_and_draft(prefix: str, model: "ModelConfig") -> None:
                 raise ConfigError(f"{prefix}{name}: only used with draft_model (the draft GGUF); set it too")
     elif model.draft_max is not None and model.draft_min is not None and model.draft_min > model.draft_max:
         raise ConfigError(f"{prefix}draft_min: {model.draft_min} is more than draft_max ({model.draft_max})")
+    if model.max_replicas is not None and model.min_replicas > model.max_replicas:
+        raise ConfigError(f"{prefix}min_replicas: {model.min_replicas} is more than max_replicas "
+                          f"({model.max_replicas})")
+    if model.min_replicas > 1 and len(model.devices) >= 1:
+        raise ConfigError(f"{prefix}min_replicas: a model with `devices` runs on one device (or one group); "
+                          "drop min_replicas or devices")
     owners = {flag: name for name, flags in DRAFT_FLAGS.items() for flag in flags}
     owners.update({flag: "lora_adapters" for flag in LORA_FLAGS})
     for flag, value in model.server_args:
@@ -490,7 +496,18 @@ class ModelConfig:
         "server_args", "mapping", "`{}`",
         "Other llama-server flags: `true` = bare flag, `false`/null = omitted, lists repeat the flag "
         "(or join with commas where llama-server expects that)."))
-    preload: bool = key(False, _boolean, "boolean", "Load this model at start-up.")
+    preload: bool = key(False, _boolean, "boolean", "Load this model at start-up (on `min_replicas` devices).")
+    #: Replicas on purpose (issue 27): see rolemesh.scheduler's docstring.
+    min_replicas: int = key(1, _positive_int, "positive integer",
+                            "Devices this model stays loaded on once there: `preload` loads it on that many, and "
+                            "idle unload never takes it below (a model that may use fewer devices gets them all).")
+    max_replicas: Optional[int] = key(
+        None, _positive_int, "positive integer",
+        "The most devices this model may hold at once. Set, it scales out on purpose: a request that would wait "
+        "on every device holding the model starts a copy on an idle device that holds nothing, up to this many; "
+        "past it requests queue on those devices (429 when full). Prefix affinity keeps each conversation on "
+        "its copy.",
+        default_doc="unset: the model spreads to another device only when its devices' queues are full")
     inference_probe_interval_s: Optional[float] = key(
         None, _positive_number, "positive number",
         "After this long without a successful request, send the ready child a 1-token completion (an "

@@ -47,6 +47,14 @@ more than ``max_imbalance`` pending requests more than the least busy one.
 Memory: a request may say how many bytes it needs per lane; among lanes
 without the model, those whose free memory (plus what the models they would
 evict hold) covers the need come first.
+
+Replicas: a request may carry ``replicas``, the most lanes its model may
+hold at once.  Then the model *scales out* on purpose: a request that would
+wait on every lane holding the model (no free slot) starts a copy on an idle
+lane that holds nothing (no model, no requests, no overlapping lane busy)
+while fewer than ``replicas`` lanes hold or wait for the model; and it never
+goes to a new lane once ``replicas`` lanes do (full queues there: 429).
+Without ``replicas`` a model spreads only when its lanes' queues are full.
 """
 
 from __future__ import annotations
@@ -183,6 +191,7 @@ class Scheduler:
         need: Optional[Mapping[str, int]] = None,
         prefer: Optional[str] = None,
         max_imbalance: int = 0,
+        replicas: Optional[int] = None,
     ) -> DeviceBook:
         """The lane a new request for ``model_id`` should queue on.
 
@@ -190,7 +199,8 @@ class Scheduler:
         device); ``only`` narrows them to one (operator load, preload);
         ``prefer`` is the lane prefix affinity asks for, taken among those
         holding the model unless it is busier than the least busy by more
-        than ``max_imbalance``."""
+        than ``max_imbalance``; ``replicas`` caps the lanes the model holds
+        and lets it scale out before its queues are full (module docstring)."""
         names = lanes if lanes is not None else [n for n, b in self.devices.items() if not b.is_group]
         if len(names) == 1 and (only is None or names[0] == only):
             # One lane (one device, or a model pinned to one): it, if it has room.
@@ -203,12 +213,25 @@ class Scheduler:
         if not room:
             raise QueueFull(model_id)
         holding = [b for b in room if b.model == model_id]
+        cap = replicas if only is None else None  # an operator's pin is not a replica decision
+        claimed = self._claimed(model_id, books) if cap is not None else []
         if holding:
+            chosen = None
             if prefer is not None and len(holding) > 1:
                 chosen = affine_choice({b.name: b.pending for b in holding}, prefer, max_imbalance)
-                if chosen is not None:
-                    return self.devices[chosen]
-            return min(holding, key=lambda b: (b.pending, b.order))
+            book = self.devices[chosen] if chosen is not None else min(holding, key=lambda b: (b.pending, b.order))
+            if cap is not None and book.pending >= book.slots and len(claimed) < cap:
+                spare = self._spare(room, need)
+                if spare is not None:
+                    return spare  # scale out: a copy on an idle lane rather than a wait
+            return book
+        if cap is not None and len(claimed) >= cap:
+            # As many lanes as it may hold have it (or a switch to it queued):
+            # one of those with room, else 429.
+            waiting = [b for b in claimed if b.pending < self.pending_limit]
+            if not waiting:
+                raise QueueFull(model_id)
+            return min(waiting, key=lambda b: (b.pending, b.order))
         fitting = [b for b in room if self._fits(b, (need or {}).get(b.name))] or room
         return min(
             fitting,
@@ -219,6 +242,21 @@ class Scheduler:
                 b.order,
             ),
         )
+
+    @staticmethod
+    def _claimed(model_id: str, books: Sequence[DeviceBook]) -> List[DeviceBook]:
+        """Lanes that hold ``model_id`` or have a request for it waiting (a
+        switch to it is coming): the replicas it has, or is about to."""
+        return [b for b in books if b.model == model_id or any(t.model_id == model_id for t in b.queue)]
+
+    def _spare(self, room: Sequence[DeviceBook], need: Optional[Mapping[str, int]]) -> Optional[DeviceBook]:
+        """An idle lane that holds nothing -- no model, no request, no
+        overlapping lane in use -- where the model fits: a new replica costs
+        no other model its place.  The most free memory first."""
+        spare = [b for b in room if not b.occupied and not b.queue
+                 and not any(o.occupied or o.queue for o in self.overlaps[b.name])
+                 and self._fits(b, (need or {}).get(b.name))]
+        return min(spare, key=lambda b: (-(b.free_memory or 0), b.order)) if spare else None
 
     def _fits(self, book: DeviceBook, need: Optional[int]) -> bool:
         """Free memory, plus what the models it would replace hold, covers ``need``."""
@@ -238,11 +276,13 @@ class Scheduler:
         share: Share = DEFAULT_SHARE,
         prefer: Optional[str] = None,
         max_imbalance: int = 0,
+        replicas: Optional[int] = None,
     ) -> Ticket:
         """Queue a request; raises QueueFull.  ``device`` pins it to one lane
         (operator load requests, preload).  ``on_start`` may run before this
         returns, so ``context`` carries what it needs."""
-        book = self.choose(model_id, only=device, lanes=lanes, need=need, prefer=prefer, max_imbalance=max_imbalance)
+        book = self.choose(model_id, only=device, lanes=lanes, need=need, prefer=prefer, max_imbalance=max_imbalance,
+                           replicas=replicas)
         ticket = Ticket(next(self._ids), model_id, max(1, parallel), book.name, context=context, need=need,
                         share=share, order=book.fair.tag(share))
         self._count(share.tenant, 1)
@@ -286,6 +326,7 @@ class Scheduler:
         share: Share = DEFAULT_SHARE,
         prefer: Optional[str] = None,
         max_imbalance: int = 0,
+        replicas: Optional[int] = None,
     ) -> Optional[Ticket]:
         """A running ticket at once, when :meth:`submit` would start one then
         and there without a switch: the lane it would choose holds the model,
@@ -294,7 +335,8 @@ class Scheduler:
         nearly every request on a busy node.  Else None, and nothing changed:
         :meth:`submit` it.  ``on_start`` is not called: the caller starts it."""
         try:
-            book = self.choose(model_id, lanes=lanes, need=need, prefer=prefer, max_imbalance=max_imbalance)
+            book = self.choose(model_id, lanes=lanes, need=need, prefer=prefer, max_imbalance=max_imbalance,
+                               replicas=replicas)
         except QueueFull:
             return None
         if (book.model != model_id or book.queue or len(book.running) >= book.slots or self.overlaps[book.name]

@@ -274,21 +274,40 @@ class SchedulerMachine(TicketRules, RuleBasedStateMachine):
         assert ticket.id not in self.outcomes
         self.outcomes[ticket.id] = "started"
 
+    #: Each model's replica cap (None: spreads only when its queues are full).
+    replicas = {"a": None, "b": 1, "c": 2}
+
     @rule(model=st.sampled_from(["a", "b", "c"]), parallel=st.sampled_from([1, 1, 2]),
           need=st.sampled_from([None, 1 << 30, 3 << 30, 6 << 30]))
     def arrive(self, model, parallel, need):
         books = list(self.scheduler.devices.values())
-        holding = [b.name for b in books if b.model == model and b.pending < self.limit]
+        cap = self.replicas[model]
+        holding = [b for b in books if b.model == model and b.pending < self.limit]
         needs = None if need is None else {b.name: need for b in books}
         fitting = [b.name for b in books if b.pending < self.limit and self.scheduler._fits(b, need)]
+        claimed = [b for b in books if b.model == model or any(t.model_id == model for t in b.queue)]
+        spare = [b.name for b in books if b.model is None and not b.running and not b.queue
+                 and self.scheduler._fits(b, need)]
+        # Whether the holder it would take has no free slot (seen before the submit).
+        best = min(holding, key=lambda b: (b.pending, b.order)) if holding else None
+        waits = best is not None and best.pending >= best.slots
         try:
-            ticket = self.scheduler.submit(model, parallel, need=needs)
+            ticket = self.scheduler.submit(model, parallel, need=needs, replicas=cap)
         except QueueFull:
-            assert all(b.pending >= self.limit for b in books)
+            full = all(b.pending >= self.limit for b in books)
+            capped = cap is not None and not holding and len(claimed) >= cap and all(
+                b.pending >= self.limit for b in claimed)
+            assert full or capped, "429 only when every lane the model may use is full"
             self.rejected += 1
             return
         if holding:
-            assert ticket.device in holding, "a device holding the model with room must be preferred"
+            if cap is not None and waits and len(claimed) < cap and spare:
+                assert ticket.device in spare, "a model under its replica cap scales out rather than wait"
+            else:
+                assert ticket.device in [b.name for b in holding], \
+                    "a device holding the model with room must be preferred"
+        elif cap is not None and len(claimed) >= cap:
+            assert ticket.device in [b.name for b in claimed], "a model at its replica cap takes no new device"
         elif fitting:
             assert ticket.device in fitting, "a device whose free memory holds the model must be preferred"
         self.tickets.append(ticket)
@@ -577,3 +596,63 @@ class AdmitMachineTest(SynchronousTestCase):
         AdmitMachine.admitted = 0
         run_state_machine_as_test(AdmitMachine, settings=settings(max_examples=200, stateful_step_count=40))
         self.assertGreater(AdmitMachine.admitted, 50)
+
+
+class ReplicaTests(SynchronousTestCase):
+    """``replicas``: a model scales out on purpose, and no further than its cap."""
+
+    def make(self, devices=("d0", "d1", "d2"), limit=4):
+        started = []
+        return Scheduler(list(devices), limit, started.append), started
+
+    def test_without_a_cap_a_model_waits_on_its_device_until_the_queue_is_full(self):
+        s, _ = self.make()
+        first = s.submit("a")
+        second = s.submit("a")
+        self.assertEqual((first.device, second.device, second.state), ("d0", "d0", QUEUED))
+
+    def test_under_its_cap_a_request_that_would_wait_starts_a_copy_on_an_idle_device(self):
+        s, _ = self.make()
+        first = s.submit("a", replicas=2)
+        second = s.submit("a", replicas=2)
+        self.assertEqual((first.device, second.device), ("d0", "d1"))
+        self.assertEqual((second.state, second.switched), (RUNNING, True))
+        third = s.submit("a", replicas=2)
+        self.assertIn(third.device, ("d0", "d1"), "at its cap: it queues on a copy")
+        self.assertEqual(third.state, QUEUED)
+        self.assertIsNone(s.devices["d2"].model)
+
+    def test_a_copy_goes_only_where_nothing_is_held(self):
+        s, _ = self.make(devices=("d0", "d1"))
+        s.submit("a", replicas=2)
+        s.finish(s.submit("b", device="d1"))  # d1 holds b, idle
+        second = s.submit("a", replicas=2)
+        self.assertEqual((second.device, second.state), ("d0", QUEUED), "b keeps its device")
+
+    def test_a_free_slot_is_used_before_a_copy(self):
+        s, _ = self.make()
+        s.submit("a", parallel=2, replicas=3)
+        second = s.submit("a", parallel=2, replicas=3)
+        self.assertEqual((second.device, second.state), ("d0", RUNNING))
+
+    def test_at_its_cap_with_full_queues_the_request_is_refused(self):
+        s, _ = self.make(limit=2)
+        s.submit("a", replicas=1)
+        s.submit("a", replicas=1)
+        with self.assertRaises(QueueFull):
+            s.submit("a", replicas=1)
+        self.assertEqual([b.pending for b in s.devices.values()], [2, 0, 0])
+
+    def test_a_queued_switch_counts_as_a_replica(self):
+        s, _ = self.make(devices=("d0", "d1"))
+        s.submit("b", device="d0")
+        s.submit("c", device="d1")
+        waiting = s.submit("a", replicas=1)  # queued for a switch
+        again = s.submit("a", replicas=1)
+        self.assertEqual(again.device, waiting.device, "the lane it waits on is its one replica")
+
+    def test_an_operator_pin_is_not_capped(self):
+        s, _ = self.make()
+        s.submit("a", replicas=1)
+        pinned = s.submit("a", device="d2", replicas=1)
+        self.assertEqual((pinned.device, pinned.state), ("d2", RUNNING))
