@@ -666,9 +666,9 @@ class FastChannel(Protocol):
         except Exception:
             result = defer.fail()
         self._current_result = result
-        result.addCallbacks(self._answered, self._route_failed, callbackArgs=(request,), errbackArgs=(request,))
+        result.addCallbacks(self._route_succeeded, self._route_failed, callbackArgs=(request,), errbackArgs=(request,))
 
-    def _answered(self, body: Optional[bytes], request: FastRequest) -> None:
+    def _route_succeeded(self, body: Optional[bytes], request: FastRequest) -> None:
         if request is self._current:
             self._current_result = None
         if not request.finished and not request.disconnected:
