@@ -30,8 +30,8 @@ from twisted.web.iweb import IPolicyForHTTPS
 from rolemesh import __version__
 from rolemesh.backoff import Backoff
 from rolemesh.config import is_loopback
+from rolemesh.control_client import quiet_pool, quiet_treq
 from rolemesh.enums import StrEnum
-from rolemesh.http_client import quiet_pool, quiet_treq
 from rolemesh.interfaces import IHTTPClientReactor
 from rolemesh.node_events import DISPATCHER_DOWN, DISPATCHER_UP, ROUTING_TYPES, DeltaBuffer, NodeEvent, NodeFeed
 from rolemesh.payloads import deregistration_payload, events_payload, with_last_seq

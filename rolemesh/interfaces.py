@@ -187,7 +187,7 @@ class ProxiedRequest(RouteRequest, Protocol):
 
 class ChildRequester(Protocol):
     """What the proxy sends its requests to children with: ``IAgent.request``,
-    as :class:`~rolemesh.child_http.ChildAgent` (which does not declare
+    as :class:`~rolemesh.child_client.ChildAgent` (which does not declare
     ``IAgent``) has it."""
 
     def request(self, method: bytes, uri: bytes, headers: Optional[Headers] = None,

@@ -429,7 +429,7 @@ def device_issues(supervisor: "DeviceSupervisor", telemetry: Optional[ChildTelem
 
 
 def _treq_get(reactor: IHTTPClientReactor) -> Callable[..., Deferred]:
-    from rolemesh.http_client import quiet_treq
+    from rolemesh.control_client import quiet_treq
 
     return quiet_treq(reactor, persistent=False, connect_timeout=TELEMETRY_TIMEOUT_S).get
 

@@ -1,4 +1,8 @@
-"""HTTP clients the agent uses towards its children and the dispatcher.
+"""The control-traffic HTTP clients (treq on ``Agent``): registration,
+heartbeats and events to the dispatcher (names, HTTPS), and the readiness
+and inference probes and telemetry scrapes of the children.  The requests
+the proxy relays to the children go through
+:mod:`rolemesh.child_client` instead.
 
 One place builds them so that they all
 

@@ -1,4 +1,6 @@
-"""A lean HTTP/1.1 client for the agent's own llama-server children.
+"""A lean HTTP/1.1 client for the agent's own llama-server children: the
+requests the proxy relays (probes, telemetry and the dispatcher use
+:mod:`rolemesh.control_client`).
 
 ``twisted.web.client.Agent`` is general (any server, TLS, redirects, a
 request and a response state machine of several objects, a pool keyed by
