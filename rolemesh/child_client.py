@@ -55,8 +55,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer, IResponse
 from zope.interface import implementer
 
+from rolemesh.event_loop.twisted_compat import write_now, write_pending
 from rolemesh.interfaces import IHTTPClientReactor
-from rolemesh.twisted_compat import write_now, write_pending
 
 #: The most bytes of status line and headers accepted.
 MAX_HEAD = 65536

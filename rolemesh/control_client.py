@@ -28,8 +28,8 @@ from twisted.web.error import SchemeNotSupported
 from twisted.web.iweb import IAgentEndpointFactory, IPolicyForHTTPS
 from zope.interface import implementer
 
+from rolemesh.event_loop.twisted_compat import quiet_connection_pool
 from rolemesh.interfaces import IHTTPClientReactor
-from rolemesh.twisted_compat import quiet_connection_pool
 
 
 def quiet_pool(reactor: IReactorTime, persistent: bool) -> HTTPConnectionPool:

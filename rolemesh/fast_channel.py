@@ -69,8 +69,8 @@ from zope.interface import alsoProvides, implementer
 
 from rolemesh import request_head
 from rolemesh.errors import ApiError, answer_headers
+from rolemesh.event_loop.twisted_compat import write_now
 from rolemesh.interfaces import ChannelSite
-from rolemesh.twisted_compat import write_now
 
 log = Logger()
 

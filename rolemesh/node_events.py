@@ -36,8 +36,8 @@ import attr
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from rolemesh.event_loop.reactor import resolve_reactor
 from rolemesh.events import Events
-from rolemesh.reactor import resolve_reactor
 
 if TYPE_CHECKING:  # pragma: no cover
     from rolemesh.scheduler import Scheduler

@@ -33,9 +33,9 @@ from zope.interface import implementer
 
 from rolemesh import errors
 from rolemesh.child_client import ChildAgent
+from rolemesh.event_loop.reactor import UsesReactor
+from rolemesh.event_loop.twisted_compat import client_disconnected, never_sent
 from rolemesh.interfaces import ChildRequester, IHTTPClientReactor, ProxiedRequest
-from rolemesh.reactor import UsesReactor
-from rolemesh.twisted_compat import client_disconnected, never_sent
 
 log = Logger()
 

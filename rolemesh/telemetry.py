@@ -35,8 +35,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from rolemesh.devices import DeviceMetrics
+from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.interfaces import IHTTPClientReactor
-from rolemesh.reactor import UsesReactor
 
 if TYPE_CHECKING:  # the supervisor reports through this module: no import at run time
     from rolemesh.supervisor import DeviceSupervisor

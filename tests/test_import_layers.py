@@ -295,6 +295,20 @@ class LayerTests(SynchronousTestCase):
                     self.assertIn(pattern, files, f"layer {layer.name}")
 
 
+class PackagingTests(SynchronousTestCase):
+    def test_every_package_under_rolemesh_is_shipped(self) -> None:
+        """setup.py lists its packages by name: a new one (rolemesh/event_loop/)
+        must be on the list, or an installed agent lacks it."""
+        with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        listed = next(ast.literal_eval(k.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                      for k in node.keywords if k.arg == "packages")
+        files = module_files(PACKAGE)
+        packages = {"rolemesh" if m == TOP else f"rolemesh.{m}" for m in files if _is_package(m, files)}
+        self.assertEqual(packages - set(listed), set())
+        self.assertIn("rolemesh.event_loop", packages)
+
+
 # ---------------------------------------------------------------------------
 # The checker itself, on small made-up packages
 
