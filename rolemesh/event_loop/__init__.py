@@ -11,8 +11,8 @@ the agent installs, and every Twisted internal the agent relies on.
   calls it; twistd's ``--reactor rolemesh-epoll`` names this package.
 
 Importing the package (as every user of ``rolemesh.event_loop.reactor``
-does) imports nothing more: :func:`install` loads ``twisted_compat`` when
-called.
+does) imports nothing more: :func:`install` loads ``twisted_compat`` (and
+the logger) when called.
 
 The agent's reactor is Twisted's epoll reactor without the legacy log
 context it sets up around every read and write.  Twisted's reactors run
@@ -43,10 +43,6 @@ from __future__ import annotations
 
 import sys
 
-from twisted.logger import Logger
-
-log = Logger()
-
 
 def install() -> bool:
     """Install ``AgentEPollReactor`` as the global reactor; False (and
@@ -63,8 +59,10 @@ def install() -> bool:
     differs = epoll_copy_differs()
     if differs is not None:
         from twisted.internet.epollreactor import EPollReactor
+        from twisted.logger import Logger
 
-        log.warn("{why}: running Twisted's own epoll reactor instead of the agent's", why=differs)
+        Logger(namespace=__name__).warn("{why}: running Twisted's own epoll reactor instead of the agent's",
+                                        why=differs)
         installReactor(EPollReactor())
         return False
     installReactor(AgentEPollReactor())
