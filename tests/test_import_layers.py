@@ -295,6 +295,44 @@ class LayerTests(SynchronousTestCase):
                     self.assertIn(pattern, files, f"layer {layer.name}")
 
 
+def module_level_imports(path: str, package: str = "rolemesh") -> List[str]:
+    """The package's modules a file imports when it is imported (not in a function)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    found = []
+    pending: List[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop(0)
+        if isinstance(node, ast.Import):
+            found.extend(a.name for a in node.names if _local(a.name, package) is not None)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level or _local(node.module or "", package) is not None:
+                found.append("." * node.level + (node.module or ""))
+        elif isinstance(node, (ast.If, ast.Try)):
+            pending.extend(ast.iter_child_nodes(node))  # type: ignore[arg-type]
+    return found
+
+
+class PackageInitTests(SynchronousTestCase):
+    def test_package_inits_import_nothing_of_the_agents_when_imported(self) -> None:
+        """Importing ``rolemesh.event_loop.reactor`` runs ``rolemesh/event_loop/__init__.py``
+        first: a package's own module must not pull the rest of its layer in
+        (the graph above does not count those implicit imports)."""
+        files = module_files(PACKAGE)
+        for name in files:
+            if _is_package(name, files):
+                self.assertEqual(module_level_imports(files[name]), [], files[name])
+
+    def test_module_level_imports_are_told_from_function_ones(self) -> None:
+        root = self.mktemp()
+        os.makedirs(root)
+        path = os.path.join(root, "m.py")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("import os\nfrom rolemesh import errors\nif 1:\n    import rolemesh.config\n"
+                    "def f():\n    from rolemesh import node\n")
+        self.assertEqual(module_level_imports(path), ["rolemesh", "rolemesh.config"])
+
+
 class PackagingTests(SynchronousTestCase):
     def test_every_package_under_rolemesh_is_shipped(self) -> None:
         """setup.py lists its packages by name: a new one (rolemesh/event_loop/)
