@@ -13,8 +13,12 @@ checker alone runs still says one part needs the other.  Two rules hold:
 An edge goes to the module an import names, as precisely as it can be told
 (``from rolemesh.backends import detect`` is ``backends.detect``, ``from
 rolemesh.backends import BackendUnavailable`` is ``backends``); the parent
-packages Python runs on the way are not edges (keep package ``__init__``
-modules light).
+packages Python runs on the way are not edges, so a package's ``__init__``
+must import nothing of the agent's when it is imported (checked too).
+
+Beside them: the Protocols passed down instead of upward imports are met by
+the real parts (at run time, on the service tree built on fakes), and
+setup.py ships every package under rolemesh/.
 """
 
 from __future__ import annotations
