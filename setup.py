@@ -16,11 +16,12 @@ setup(
     long_description_content_type="text/markdown",
     license="MIT",
     python_requires=">=3.9",
-    packages=["rolemesh", "rolemesh.backends", "rolemesh.schemas", "twisted.plugins"],
+    packages=["rolemesh", "rolemesh.backends", "rolemesh.event_loop", "rolemesh.schemas", "twisted.plugins"],
     package_data={"rolemesh.schemas": ["*.json"], "twisted.plugins": ["rolemesh_node.py"]},
     install_requires=[
         # [tls]: pyOpenSSL, service-identity, idna (HTTPS listener and dispatcher).  Below 27: the newest
-        # releases rolemesh.twisted_compat was checked against are 26.x (a newer doPoll falls back anyway).
+        # releases rolemesh.event_loop.twisted_compat was checked against are 26.x (a newer doPoll falls
+        # back anyway).
         "twisted[tls]>=24.3,<27",
         "cryptography>=42",  # certificate checks (rolemesh.tls); tests generate certificates with it
         "httptools>=0.6.3",  # llhttp: the listener's parser (rolemesh.fast_channel); older ones are lax

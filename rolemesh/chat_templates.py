@@ -7,56 +7,22 @@ field is a built-in template name (passed as ``--chat-template NAME`` with
 ``--no-jinja``: with jinja on, this llama-server takes the name itself as
 the whole template) or a Jinja file (``--chat-template-file PATH``).
 
-:func:`check_field` is the pure config check, :func:`template_args` the
-flags, :func:`describe` (reads the GGUF header, cached per file version)
+:mod:`rolemesh.chat_template_names` holds the names (the config's check,
+``chat_template`` in :mod:`rolemesh.config`, uses them), :func:`template_args`
+the flags, :func:`describe` (reads the GGUF header, cached per file version)
 what ``--check``, the inventory and the load warning say.
 """
 
 from __future__ import annotations
 
-import difflib
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-#: The built-in templates of this llama-server (``llama-server --help``,
-#: ``--chat-template``).
-BUILT_IN = frozenset("""
-bailing bailing-think bailing2 chatglm3 chatglm4 chatml command-r deepseek deepseek-ocr deepseek2
-deepseek3 exaone-moe exaone3 exaone4 falcon3 gemma gigachat glmedge gpt-oss granite granite-4.0
-granite-4.1 grok-2 hunyuan-dense hunyuan-moe hunyuan-vl kimi-k2 llama2 llama2-sys llama2-sys-bos
-llama2-sys-strip llama3 llama4 megrez minicpm mistral-v1 mistral-v3 mistral-v3-tekken mistral-v7
-mistral-v7-tekken monarch openchat orion pangu-embedded phi3 phi4 rwkv-world seed_oss smolvlm
-solar-open vicuna vicuna-orca yandex zephyr
-""".split())
+from rolemesh.chat_template_names import BUILT_IN, FALLBACK, FLAGS, is_file
+from rolemesh.estimate import EstimateError, parse_header
 
-#: What llama-server uses when the GGUF has no template and none is set.
-FALLBACK = "chatml"
-
-#: The flags the field sets (``server_args`` may not set them again).
-FLAGS = ("chat-template", "chat-template-file")
-
-
-def is_file(value: str) -> bool:
-    """A ``chat_template`` value names a file (not a built-in name)."""
-    return value not in BUILT_IN
-
-
-def check_field(path: str, value: Any) -> str:
-    """``chat_template``: a built-in name, or a path (with a ``/`` or a
-    ``.jinja``-like suffix); anything else is a one-line error (pure)."""
-    from rolemesh.config import _fail, _string
-    from rolemesh.errors import ConfigError
-
-    value = _string(path, value)
-    if value in BUILT_IN:
-        return value
-    if os.sep in value or "/" in value or value.lower().endswith((".jinja", ".j2", ".jinja2", ".tmpl", ".txt")):
-        return value
-    hint = difflib.get_close_matches(value, sorted(BUILT_IN), n=1)
-    suggestion = f' (did you mean "{hint[0]}"?)' if hint else ""
-    raise ConfigError(
-        f"{_fail(path, 'a built-in template name or a template file path', value)}{suggestion}; "
-        "built-in names: llama-server --help, --chat-template")
+__all__ = ["BUILT_IN", "FALLBACK", "FLAGS", "describe", "describe_model", "gguf_has_template", "is_file",
+           "summary", "template_args"]
 
 
 def template_args(value: Optional[str]) -> List[str]:
@@ -74,8 +40,6 @@ _GGUF_TEMPLATE: Dict[Tuple[str, int, int], Optional[bool]] = {}
 def gguf_has_template(path: str) -> Optional[bool]:
     """Whether the GGUF at ``path`` carries ``tokenizer.chat_template``
     (None: its header cannot be read); cached per (path, size, mtime)."""
-    from rolemesh.estimate import EstimateError, parse_header
-
     try:
         st = os.stat(path)
     except OSError:

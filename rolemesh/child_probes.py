@@ -106,7 +106,7 @@ class ChildProbes:
         self.inference_fn = inference
 
     def _http(self) -> HTTPClient:
-        from rolemesh.http_client import quiet_treq
+        from rolemesh.control_client import quiet_treq
 
         return quiet_treq(self._clock(), persistent=False, connect_timeout=2.0)
 

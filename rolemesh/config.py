@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import attr
 import yaml
 
+from rolemesh import chat_template_names
 from rolemesh.errors import ConfigError
 from rolemesh.tls import ClientTLSFiles, ServerTLSFiles, escape_endpoint_value, split_endpoint_description
 
@@ -234,9 +235,19 @@ def _tensor_split(path: str, value: Any) -> Tuple[float, ...]:
 
 
 def _chat_template(path: str, value: Any) -> str:
-    from rolemesh.chat_templates import check_field
-
-    return check_field(path, value)
+    """``chat_template``: a built-in name, or a path (with a ``/`` or a
+    ``.jinja``-like suffix); anything else is a one-line error."""
+    value = _string(path, value)
+    names = chat_template_names.BUILT_IN
+    if value in names:
+        return value
+    if os.sep in value or "/" in value or value.lower().endswith(chat_template_names.FILE_SUFFIXES):
+        return value
+    hint = difflib.get_close_matches(value, sorted(names), n=1)
+    suggestion = f' (did you mean "{hint[0]}"?)' if hint else ""
+    raise ConfigError(
+        f"{_fail(path, 'a built-in template name or a template file path', value)}{suggestion}; "
+        "built-in names: llama-server --help, --chat-template")
 
 
 def _models_dir(path: str, value: Any) -> Tuple[str, ...]:
@@ -1281,9 +1292,7 @@ def _check_model_files(models: Tuple[ModelConfig, ...]) -> None:
 
 
 def _is_template_file(value: str) -> bool:
-    from rolemesh.chat_templates import is_file
-
-    return is_file(value)
+    return chat_template_names.is_file(value)
 
 
 def _environment_api_keys(

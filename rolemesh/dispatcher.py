@@ -30,12 +30,12 @@ from twisted.web.iweb import IPolicyForHTTPS
 from rolemesh import __version__
 from rolemesh.backoff import Backoff
 from rolemesh.config import is_loopback
+from rolemesh.control_client import quiet_pool, quiet_treq
 from rolemesh.enums import StrEnum
-from rolemesh.http_client import quiet_pool, quiet_treq
+from rolemesh.event_loop.reactor import resolve_reactor
 from rolemesh.interfaces import IHTTPClientReactor
 from rolemesh.node_events import DISPATCHER_DOWN, DISPATCHER_UP, ROUTING_TYPES, DeltaBuffer, NodeEvent, NodeFeed
 from rolemesh.payloads import deregistration_payload, events_payload, with_last_seq
-from rolemesh.reactor import resolve_reactor
 from rolemesh.tls import DispatcherTLSPolicy, describe_tls_failure
 
 REGISTER_PATH = "/v1/nodes/register"

@@ -39,7 +39,6 @@ import time
 from collections import deque
 from http import HTTPStatus
 from typing import (
-    TYPE_CHECKING,
     Any,
     Callable,
     Deque,
@@ -70,10 +69,8 @@ from zope.interface import alsoProvides, implementer
 
 from rolemesh import request_head
 from rolemesh.errors import ApiError, answer_headers
-from rolemesh.twisted_compat import write_now
-
-if TYPE_CHECKING:  # the listener builds the channels: it imports this module
-    from rolemesh.listener import GuardedSite
+from rolemesh.event_loop.twisted_compat import write_now
+from rolemesh.interfaces import ChannelSite
 
 log = Logger()
 
@@ -397,7 +394,7 @@ class FastChannel(Protocol):
     (``(method, path)`` -> route) itself and the rest through the
     twisted.web channel ``make_bridge()`` builds."""
 
-    def __init__(self, site: "GuardedSite", routes: Dict[Tuple[bytes, bytes], FastRoute],
+    def __init__(self, site: ChannelSite, routes: Dict[Tuple[bytes, bytes], FastRoute],
                  make_bridge: Callable[[], BridgeChannel]) -> None:
         self.site = site
         self._routes = routes
@@ -669,9 +666,9 @@ class FastChannel(Protocol):
         except Exception:
             result = defer.fail()
         self._current_result = result
-        result.addCallbacks(self._answered, self._route_failed, callbackArgs=(request,), errbackArgs=(request,))
+        result.addCallbacks(self._route_succeeded, self._route_failed, callbackArgs=(request,), errbackArgs=(request,))
 
-    def _answered(self, body: Optional[bytes], request: FastRequest) -> None:
+    def _route_succeeded(self, body: Optional[bytes], request: FastRequest) -> None:
         if request is self._current:
             self._current_result = None
         if not request.finished and not request.disconnected:

@@ -9,13 +9,14 @@ every one of their bases (``tests/test_reactor.py`` checks that).
 The ``typing.Protocol`` classes after them are not interfaces either: they
 describe, for the type checker only, parts that share no declared interface:
 the requests the API answers, which come from two places (Klein's
-``twisted.web`` requests and the fast channel's), and what the proxy sends
-its requests with.
+``twisted.web`` requests and the fast channel's), what the proxy sends
+its requests with, and what a lower part reads of the higher one that
+builds it (the fast channel of its site), so that it need not import it.
 """
 
 from __future__ import annotations
 
-from typing import List, Mapping, Optional, Protocol
+from typing import Callable, List, Mapping, Optional, Protocol
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import (
@@ -110,6 +111,36 @@ class HeadPolicy(Protocol):
         ``path`` has no query; ``headers`` are ``{lower-case name: value}``."""
 
 
+class ChannelSite(Protocol):
+    """What a :class:`~rolemesh.fast_channel.FastChannel` reads of the site
+    that builds it (:class:`~rolemesh.listener.GuardedSite`, whose module
+    imports the channel's): the clock, the head policy, the limits, the
+    ``Date`` header, and the count of open connections it gives back when
+    it closes."""
+
+    open_connections: int
+
+    @property
+    def reactor(self) -> IReactorTime: ...
+
+    @property
+    def head_policy(self) -> Optional[HeadPolicy]: ...
+
+    @property
+    def max_body_bytes(self) -> Optional[int]: ...
+
+    @property
+    def request_read_timeout(self) -> Optional[float]: ...
+
+    @property
+    def timeOut(self) -> Optional[float]:  # noqa: N802 - twisted.web's name
+        """The idle timeout (twisted.web's ``HTTPFactory.timeOut``)."""
+
+    @property
+    def http_date(self) -> Callable[[], bytes]:
+        """The current ``Date`` header value, cached per second."""
+
+
 class RouteRequest(Protocol):
     """What the API's routes and their error answers use of a request: part
     of ``IRequest``, and all that :class:`~rolemesh.fast_channel.FastRequest`
@@ -156,7 +187,7 @@ class ProxiedRequest(RouteRequest, Protocol):
 
 class ChildRequester(Protocol):
     """What the proxy sends its requests to children with: ``IAgent.request``,
-    as :class:`~rolemesh.child_http.ChildAgent` (which does not declare
+    as :class:`~rolemesh.child_client.ChildAgent` (which does not declare
     ``IAgent``) has it."""
 
     def request(self, method: bytes, uri: bytes, headers: Optional[Headers] = None,

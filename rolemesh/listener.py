@@ -39,9 +39,9 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from rolemesh.errors import ApiError
+from rolemesh.event_loop.reactor import resolve_reactor
 from rolemesh.fast_channel import BridgeChannel, FastChannel, FastRoute, HttpDate
 from rolemesh.interfaces import HeadPolicy, IAgentReactor, ProxiedRequest
-from rolemesh.reactor import resolve_reactor
 
 log = Logger()
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import functools
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import metrics as prometheus_metrics
@@ -46,10 +46,19 @@ from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, STOPPING
 from rolemesh.telemetry import finite_number
 
 if TYPE_CHECKING:
+    from rolemesh.dispatcher import DispatcherClient
     from rolemesh.node import Node
-    from rolemesh.service import NodeAgentService
 
 log = Logger()
+
+
+class MetricsRoot(Protocol):
+    """What the metrics read of the root service
+    (:class:`rolemesh.service.NodeAgentService`, whose module imports this
+    one): its dispatcher client, if it has one."""
+
+    @property
+    def dispatcher(self) -> Optional[DispatcherClient]: ...
 
 #: The proxied endpoints, as the API names them in ``request`` events.
 ENDPOINTS = ("chat/completions", "completions", "embeddings")
@@ -221,7 +230,7 @@ class NodeMetrics:
             for device_name in self.node.supervisors:
                 self.idle_unloads.labels(device=device_name, model=model_id)
 
-    def __init__(self, node: Node, root: Optional[NodeAgentService] = None) -> None:
+    def __init__(self, node: Node, root: Optional[MetricsRoot] = None) -> None:
         self.node = node
         self.root = root
         self.registry = CollectorRegistry(auto_describe=False)

@@ -26,13 +26,13 @@ from rolemesh.backends.groups import group_name
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.estimate import GGUFFacts, MemoryEstimate, capacity_of, estimate_on, gib, shared_memory
+from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.events import Events
 from rolemesh.fairqueue import DEFAULT_SHARE, Share
 from rolemesh.interfaces import IDeviceBackend, IHTTPClientReactor
 from rolemesh.node_events import NodeFeed
 from rolemesh.payloads import device_state
 from rolemesh.prefix import PrefixMemory, prefix_hashes
-from rolemesh.reactor import UsesReactor
 from rolemesh.readahead import ReadAhead
 from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
 from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor, StateChange

@@ -30,16 +30,17 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Mapping, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Mapping, Optional, Protocol, Set, Tuple
 
 import attr
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from rolemesh.reactor import resolve_reactor
+from rolemesh.event_loop.reactor import resolve_reactor
+from rolemesh.events import Events
 
 if TYPE_CHECKING:  # pragma: no cover
-    from rolemesh.node import Node
+    from rolemesh.scheduler import Scheduler
 
 log = Logger()
 
@@ -95,6 +96,38 @@ class NodeEvent:
 FeedObserver = Callable[[NodeEvent], None]
 
 
+class WatchedDevice(Protocol):
+    """What the feed reads of a device's supervisor (its ``last_error`` and
+    ``last_error_code`` too, where it has them)."""
+
+    @property
+    def events(self) -> Events: ...
+
+    @property
+    def state(self) -> object: ...
+
+
+class WatchedNode(Protocol):
+    """What :meth:`NodeFeed.watch` reads of the node it publishes:
+    :class:`~rolemesh.node.Node`, whose module imports this one."""
+
+    @property
+    def supervisors(self) -> Mapping[str, WatchedDevice]: ...
+
+    @property
+    def events(self) -> Events: ...
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    @property
+    def running(self) -> int: ...
+
+    def device_states(self) -> List[Dict[str, Any]]: ...
+
+    def load_progress(self, device: str) -> Optional[Dict[str, Any]]: ...
+
+
 class NodeFeed:
     """Publishes :class:`NodeEvent` records to its observers, in order.
 
@@ -107,7 +140,7 @@ class NodeFeed:
         self._reactor = reactor
         self._observers: List[FeedObserver] = []
         self._ids = itertools.count(1)
-        self._node: Optional["Node"] = None
+        self._node: Optional[WatchedNode] = None
         #: device -> the model it last held (for ``switched``).
         self._held: Dict[str, str] = {}
         #: device -> codes of the issues raised and not cleared.
@@ -151,7 +184,7 @@ class NodeFeed:
 
     # -- wiring a node ---------------------------------------------------------
 
-    def watch(self, node: "Node") -> None:
+    def watch(self, node: WatchedNode) -> None:
         """Publish ``node``'s changes: its supervisors' states and failures,
         its drain and idle unloads (through ``node.events``)."""
         self._node = node

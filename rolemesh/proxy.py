@@ -7,7 +7,7 @@ one never waits for buffering.  When the client goes away, the route's
 Deferred is cancelled (Klein does that) and the upstream connection is closed,
 so llama-server stops generating.
 
-Requests go to children through :class:`rolemesh.child_http.ChildAgent`, a
+Requests go to children through :class:`rolemesh.child_client.ChildAgent`, a
 lean HTTP/1.1 client with its own pool of kept-alive connections per child;
 llama-server closes its side after every streamed answer, so a request that
 fails on a stale pooled connection before any byte was sent is retried once.
@@ -32,10 +32,10 @@ from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import implementer
 
 from rolemesh import errors
-from rolemesh.child_http import ChildAgent
+from rolemesh.child_client import ChildAgent
+from rolemesh.event_loop.reactor import UsesReactor
+from rolemesh.event_loop.twisted_compat import client_disconnected, never_sent
 from rolemesh.interfaces import ChildRequester, IHTTPClientReactor, ProxiedRequest
-from rolemesh.reactor import UsesReactor
-from rolemesh.twisted_compat import client_disconnected, never_sent
 
 log = Logger()
 
@@ -99,7 +99,7 @@ class BytesProducer:
     """An in-memory request body, written at once (no cooperator round-trip)."""
 
     def __init__(self, body: bytes) -> None:
-        #: Public: :class:`rolemesh.child_http.ChildAgent` sends it as is.
+        #: Public: :class:`rolemesh.child_client.ChildAgent` sends it as is.
         self.body = body
         self.length = len(body)
 

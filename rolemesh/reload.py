@@ -29,7 +29,7 @@ reload, changed config or not.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import attr
 from twisted.logger import Logger
@@ -38,12 +38,6 @@ from rolemesh.backends.groups import GROUP_SEPARATOR
 from rolemesh.config import ModelConfig, NodeConfig, load_config
 from rolemesh.errors import ConfigError
 from rolemesh.llama_args import build_argv
-
-if TYPE_CHECKING:  # they all hold a Reloader or are built beside one
-    from rolemesh.api import NodeAPI
-    from rolemesh.dispatcher import DispatcherClient
-    from rolemesh.node import Node
-    from rolemesh.service import NodeAgentService
 
 log = Logger()
 
@@ -212,6 +206,38 @@ class ReloadResult:
 SelfReloading = Callable[[NodeConfig], Optional[str]]
 
 
+# The parts a reload changes, as the Reloader sees them: they hold a Reloader
+# or are built beside one (their modules import this one), so they are
+# passed in, each behind what the reload asks of it.
+
+
+class ReloadedService(Protocol):
+    """The root service (:class:`rolemesh.service.NodeAgentService`): holds the running config."""
+
+    config: NodeConfig
+
+
+class ReloadedAPI(Protocol):
+    """The API (:class:`rolemesh.api.NodeAPI`): keys, tenants, timeouts for the next request."""
+
+    def use_config(self, config: NodeConfig) -> None: ...
+
+
+class ReloadedNode(Protocol):
+    """The node (:class:`rolemesh.node.Node`): models added, removed, changed
+    (and its ``groups``, where it has them, for :func:`check_groups`)."""
+
+    def reconfigure(self, config: NodeConfig) -> None: ...
+
+    def preload(self, model: ModelConfig, device: Optional[str] = None) -> object: ...
+
+
+class ReloadedDispatcher(Protocol):
+    """The dispatcher client (:class:`rolemesh.dispatcher.DispatcherClient`): a fresh registration."""
+
+    def reregister(self, token: Optional[str]) -> None: ...
+
+
 class Reloader:
     """Re-reads the config files and applies them to the running parts.
 
@@ -227,10 +253,10 @@ class Reloader:
         config_path: Optional[str],
         override_path: Optional[str],
         *,
-        node: Node,
-        api: NodeAPI,
-        service: NodeAgentService,
-        dispatcher: Optional[DispatcherClient] = None,
+        node: ReloadedNode,
+        api: ReloadedAPI,
+        service: ReloadedService,
+        dispatcher: Optional[ReloadedDispatcher] = None,
         check: Callable[[NodeConfig], None] = lambda config: None,
         load: Callable[..., NodeConfig] = load_config,
         overrides: Optional[Mapping[str, Any]] = None,

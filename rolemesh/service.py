@@ -51,6 +51,7 @@ from rolemesh.devices import DeviceRef
 from rolemesh.dispatcher import DispatcherClient
 from rolemesh.errors import ConfigError
 from rolemesh.estimate import EstimateError, GGUFFacts, read_facts
+from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.interfaces import IAgentReactor, IBackendReactor, IDeviceBackend
 from rolemesh.listener import GuardedSite, listening_service
 from rolemesh.metrics import NodeMetrics
@@ -58,7 +59,6 @@ from rolemesh.node import Node
 from rolemesh.payloads import heartbeat_payload, registration_payload
 from rolemesh.pidfiles import PidFiles, StateDirLock
 from rolemesh.proxy import Proxy
-from rolemesh.reactor import UsesReactor
 from rolemesh.readiness import Readiness, decide
 from rolemesh.reload import Reloader, ReloadResult
 from rolemesh.request_head import lax_parser

@@ -69,10 +69,10 @@ from rolemesh.child_process import (
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceRef
 from rolemesh.enums import StrEnum
+from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.events import Events, Outbox
 from rolemesh.interfaces import IAgentReactor, IDeviceBackend
 from rolemesh.pidfiles import PidFiles
-from rolemesh.reactor import UsesReactor
 from rolemesh.restart_policy import (
     INFERENCE_PROBE_FAILURES,
     STABLE_AFTER_S,

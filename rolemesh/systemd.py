@@ -28,7 +28,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from rolemesh.reactor import UsesReactor
+from rolemesh.event_loop.reactor import UsesReactor
 
 log = Logger()
 

@@ -35,8 +35,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from rolemesh.devices import DeviceMetrics
+from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.interfaces import IHTTPClientReactor
-from rolemesh.reactor import UsesReactor
 
 if TYPE_CHECKING:  # the supervisor reports through this module: no import at run time
     from rolemesh.supervisor import DeviceSupervisor
@@ -429,7 +429,7 @@ def device_issues(supervisor: "DeviceSupervisor", telemetry: Optional[ChildTelem
 
 
 def _treq_get(reactor: IHTTPClientReactor) -> Callable[..., Deferred]:
-    from rolemesh.http_client import quiet_treq
+    from rolemesh.control_client import quiet_treq
 
     return quiet_treq(reactor, persistent=False, connect_timeout=TELEMETRY_TIMEOUT_S).get
 

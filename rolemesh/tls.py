@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime
 import re
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import attr
 from cryptography import x509
@@ -42,10 +42,8 @@ from zope.interface import implementer
 
 from rolemesh.errors import ConfigError
 
-if TYPE_CHECKING:  # rolemesh.config imports this module
+if TYPE_CHECKING:
     from twisted.protocols.tls import TLSMemoryBIOProtocol
-
-    from rolemesh.config import NodeConfig
 
 log = Logger()
 
@@ -71,6 +69,18 @@ class ClientTLSFiles:
     ca_file: Optional[str] = None
     cert_file: Optional[str] = None
     key_file: Optional[str] = None
+
+
+class TLSConfig(Protocol):
+    """What the reload hooks (:meth:`ServerTLS.reload_for`,
+    :meth:`DispatcherTLSPolicy.reload_for`) read of the running config: a
+    :class:`~rolemesh.config.NodeConfig`, whose module imports this one."""
+
+    @property
+    def tls(self) -> Optional[ServerTLSFiles]: ...
+
+    @property
+    def dispatcher_tls(self) -> Optional[ClientTLSFiles]: ...
 
 
 @attr.s(auto_attribs=True, frozen=True)
@@ -362,7 +372,7 @@ class ServerTLS:
         log.info("TLS certificate reloaded: {certificate}", certificate=self.describe())
         return loaded.summary
 
-    def reload_for(self, config: NodeConfig) -> Optional[str]:
+    def reload_for(self, config: TLSConfig) -> Optional[str]:
         """The config-reload hook (:meth:`rolemesh.reload.Reloader.add_self_reloading`).
 
         Re-reads the files ``config.tls`` names (the running paths: a change
@@ -422,7 +432,7 @@ class DispatcherTLSPolicy:
         self.files, self._trust_root, self._client_certificate = files, fresh._trust_root, fresh._client_certificate
         log.info("dispatcher TLS files reloaded")
 
-    def reload_for(self, config: NodeConfig) -> Optional[str]:
+    def reload_for(self, config: TLSConfig) -> Optional[str]:
         """The config-reload hook, like :meth:`ServerTLS.reload_for`."""
         try:
             self.reload(getattr(config, "dispatcher_tls", None) or self.files)

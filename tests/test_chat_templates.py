@@ -9,7 +9,7 @@ import os
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh import chat_templates
+from rolemesh import chat_template_names, chat_templates
 from rolemesh.cli import template_report
 from rolemesh.config import validate
 from tests.fixtures.tiny_gguf import write_tiny_gguf
@@ -32,6 +32,37 @@ class DescribeTests(SynchronousTestCase):
     def test_unreadable_header_is_unknown_without_a_warning(self) -> None:
         info = chat_templates.describe(None, None)
         self.assertEqual((info["source"], info["warning"]), ("unknown", None))
+
+
+class NamesTests(SynchronousTestCase):
+    """rolemesh.chat_template_names: the names the config check and the
+    description share (below rolemesh.config, which imports them)."""
+
+    def test_built_in_names_are_not_files_and_the_rest_are(self) -> None:
+        self.assertFalse(chat_template_names.is_file("gemma"))
+        self.assertFalse(chat_template_names.is_file(chat_template_names.FALLBACK))
+        self.assertTrue(chat_template_names.is_file("/t/x.jinja"))
+        self.assertTrue(chat_template_names.is_file("gemma3"))  # not a name this llama-server knows
+
+    def test_the_fallback_is_a_built_in_name(self) -> None:
+        self.assertIn(chat_template_names.FALLBACK, chat_template_names.BUILT_IN)
+
+    def test_the_config_check_takes_names_and_paths_only(self) -> None:
+        from rolemesh.config import _chat_template
+        from rolemesh.errors import ConfigError
+
+        self.assertEqual(_chat_template("m.chat_template", "llama3"), "llama3")
+        for path in ("t/x", "x.jinja", "X.J2", "x.tmpl"):
+            self.assertEqual(_chat_template("m.chat_template", path), path)
+        with self.assertRaises(ConfigError) as raised:
+            _chat_template("m.chat_template", "lama3")
+        self.assertIn('(did you mean "llama3"?)', str(raised.exception))
+
+    def test_chat_templates_shows_the_same_names(self) -> None:
+        self.assertIs(chat_templates.BUILT_IN, chat_template_names.BUILT_IN)
+        self.assertIs(chat_templates.is_file, chat_template_names.is_file)
+        self.assertEqual(chat_templates.template_args("gemma"), ["--no-jinja", "--chat-template", "gemma"])
+        self.assertEqual(chat_templates.template_args("t.jinja"), ["--chat-template-file", "t.jinja"])
 
 
 class CheckReportTests(SynchronousTestCase):

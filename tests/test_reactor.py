@@ -1,4 +1,4 @@
-"""rolemesh.reactor: the one lazy look-up of the global reactor."""
+"""rolemesh.event_loop.reactor: the one lazy look-up of the global reactor."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from rolemesh.reactor import UsesReactor, resolve_reactor
+from rolemesh.event_loop.reactor import UsesReactor, resolve_reactor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLOBAL_IMPORT = re.compile(r"^\s*from twisted\.internet import reactor\b", re.MULTILINE)
@@ -34,8 +34,8 @@ class ResolveTests(SynchronousTestCase):
         self.assertIs(user.reactor, reactor)
 
     def test_the_lookup_lives_in_one_module(self) -> None:
-        """Library code asks rolemesh.reactor; only the entry point (cli.py,
-        which runs the reactor) imports it."""
+        """Library code asks rolemesh.event_loop.reactor; only the entry
+        point (cli.py, which runs the reactor) imports it."""
         found = set()
         for folder, _, files in os.walk(os.path.join(ROOT, "rolemesh")):
             for name in files:
@@ -44,7 +44,7 @@ class ResolveTests(SynchronousTestCase):
                     with open(path, encoding="utf-8") as f:
                         if GLOBAL_IMPORT.search(f.read()):
                             found.add(os.path.relpath(path, ROOT))
-        self.assertEqual(found, {"rolemesh/reactor.py", "rolemesh/cli.py"})
+        self.assertEqual(found, {"rolemesh/event_loop/reactor.py", "rolemesh/cli.py"})
 
 
 class ReactorInterfaceTests(SynchronousTestCase):
@@ -65,20 +65,20 @@ class ReactorInterfaceTests(SynchronousTestCase):
 
 class AgentReactorClassTests(SynchronousTestCase):
     def test_the_agents_reactor_is_an_epoll_reactor_with_every_named_set(self) -> None:
-        from rolemesh import event_loop
+        from rolemesh.event_loop import twisted_compat  # where the class lives
         from rolemesh.interfaces import IAgentReactor, IBackendReactor, IHTTPClientReactor
 
-        if event_loop.AgentEPollReactor is None:
+        if twisted_compat.AgentEPollReactor is None:
             raise SkipTest("no epoll here")
         from twisted.internet.epollreactor import EPollReactor
 
-        self.assertTrue(issubclass(event_loop.AgentEPollReactor, EPollReactor))
+        self.assertTrue(issubclass(twisted_compat.AgentEPollReactor, EPollReactor))
         from zope.interface.interface import InterfaceClass
 
         for name in (IAgentReactor, IBackendReactor, IHTTPClientReactor):  # as for the POSIX reactors above
             for base in name.__iro__:
                 if isinstance(base, InterfaceClass) and base.__module__.startswith("twisted."):
-                    self.assertTrue(base.implementedBy(event_loop.AgentEPollReactor), base)
+                    self.assertTrue(base.implementedBy(twisted_compat.AgentEPollReactor), base)
 
     def test_install_leaves_an_installed_reactor_alone(self) -> None:
         import twisted.internet.reactor  # noqa: F401 - trial's, installed already

@@ -1,4 +1,4 @@
-"""rolemesh.twisted_compat against the installed Twisted: each internal the
+"""rolemesh.event_loop.twisted_compat against the installed Twisted: each internal the
 agent relies on still behaves as the wrapper assumes.  A Twisted release that
 changes one fails here, loudly, naming it."""
 
@@ -24,8 +24,7 @@ from twisted.web.server import Request as ServerRequest
 from twisted.web.test.requesthelper import DummyChannel
 
 import rolemesh
-from rolemesh.listener import EndpointListener, GuardedSite, listening_service
-from rolemesh.twisted_compat import (
+from rolemesh.event_loop.twisted_compat import (
     NEVER_SENT,
     client_disconnected,
     never_sent,
@@ -33,6 +32,7 @@ from rolemesh.twisted_compat import (
     write_now,
     write_pending,
 )
+from rolemesh.listener import EndpointListener, GuardedSite, listening_service
 
 PACKAGE = os.path.dirname(os.path.abspath(rolemesh.__file__))
 #: Private Twisted names the agent once used outside the wrapper module.
@@ -263,7 +263,7 @@ class AgentReactorTests(SynchronousTestCase):
     def test_the_installed_epoll_reactor_still_dispatches_as_copied(self) -> None:
         import inspect
 
-        from rolemesh.twisted_compat import AgentEPollReactor
+        from rolemesh.event_loop.twisted_compat import AgentEPollReactor
 
         if AgentEPollReactor is None:
             raise SkipTest("no epoll here")
@@ -281,14 +281,14 @@ class AgentReactorTests(SynchronousTestCase):
         """Fails on a Twisted whose doPoll changed: read it against the copy,
         then add its digest to CHECKED_DOPOLL (until then the agent runs
         Twisted's own reactor there, tests/integration/test_event_loop.py)."""
-        from rolemesh.twisted_compat import AgentEPollReactor, epoll_copy_differs
+        from rolemesh.event_loop.twisted_compat import AgentEPollReactor, epoll_copy_differs
 
         if AgentEPollReactor is None:
             raise SkipTest("no epoll here")
         self.assertIsNone(epoll_copy_differs())
 
     def test_another_dopoll_is_noticed(self) -> None:
-        from rolemesh import twisted_compat
+        from rolemesh.event_loop import twisted_compat
 
         if twisted_compat.AgentEPollReactor is None:
             raise SkipTest("no epoll here")
@@ -296,7 +296,7 @@ class AgentReactorTests(SynchronousTestCase):
         self.assertIn("doPoll", twisted_compat.epoll_copy_differs() or "")
 
     def test_it_dispatches_what_the_poller_reports_and_survives_a_dispatch_error(self) -> None:
-        from rolemesh.twisted_compat import AgentEPollReactor
+        from rolemesh.event_loop.twisted_compat import AgentEPollReactor
 
         if AgentEPollReactor is None:
             raise SkipTest("no epoll here")
@@ -329,10 +329,10 @@ class NoPrivateTwistedElsewhereTests(SynchronousTestCase):
         for directory, _, files in os.walk(PACKAGE):
             for name in files:
                 path = os.path.join(directory, name)
-                if not name.endswith(".py") or path == os.path.join(PACKAGE, "twisted_compat.py"):
+                if not name.endswith(".py") or path == os.path.join(PACKAGE, "event_loop", "twisted_compat.py"):
                     continue
                 with open(path, encoding="utf-8") as f:
                     for number, line in enumerate(f, 1):
                         if PRIVATE.search(line):
                             found.append(f"{os.path.relpath(path, PACKAGE)}:{number}: {line.strip()}")
-        self.assertEqual(found, [], "use rolemesh.twisted_compat for Twisted internals")
+        self.assertEqual(found, [], "use rolemesh.event_loop.twisted_compat for Twisted internals")

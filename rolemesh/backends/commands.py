@@ -30,8 +30,8 @@ from twisted.python.failure import Failure
 
 from rolemesh.backends import BackendUnavailable
 from rolemesh.devices import DeviceMetrics, DeviceRef
+from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.interfaces import IBackendReactor
-from rolemesh.reactor import UsesReactor
 
 #: What a tool run gives back: exit status, standard output, standard error.
 Result = Tuple[int, str, str]

@@ -20,8 +20,8 @@ from zope.interface import implementer
 from rolemesh.backends import BackendUnavailable
 from rolemesh.config import CpuDevices, check_cpu_devices
 from rolemesh.devices import DeviceMetrics, DeviceRef
+from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.interfaces import IDeviceBackend
-from rolemesh.reactor import UsesReactor
 
 
 def parse_meminfo(text: str) -> Dict[str, int]:

@@ -75,9 +75,9 @@ reactor.run()
 def run_in_child(test: SynchronousTestCase, script: str) -> dict:
     """Run ``script`` in a fresh interpreter (its own global reactor) and
     return the JSON object its last line prints."""
-    from rolemesh import event_loop
+    from rolemesh.event_loop import twisted_compat
 
-    if event_loop.AgentEPollReactor is None:
+    if twisted_compat.AgentEPollReactor is None:
         raise SkipTest("no epoll here: the agent runs on Twisted's default reactor")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([CHECKOUT, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60, env=env, cwd=CHECKOUT)
@@ -102,7 +102,7 @@ class AgentReactorTests(SynchronousTestCase):
 
 FALLBACK = r"""
 import json
-from rolemesh import twisted_compat
+from rolemesh.event_loop import twisted_compat
 twisted_compat.CHECKED_DOPOLL = frozenset()  # as if a Twisted with another doPoll were installed
 from twisted.logger import globalLogBeginner
 warnings = []

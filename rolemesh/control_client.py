@@ -1,4 +1,8 @@
-"""HTTP clients the agent uses towards its children and the dispatcher.
+"""The control-traffic HTTP clients (treq on ``Agent``): registration,
+heartbeats and events to the dispatcher (names, HTTPS), and the readiness
+and inference probes and telemetry scrapes of the children.  The requests
+the proxy relays to the children go through
+:mod:`rolemesh.child_client` instead.
 
 One place builds them so that they all
 
@@ -24,8 +28,8 @@ from twisted.web.error import SchemeNotSupported
 from twisted.web.iweb import IAgentEndpointFactory, IPolicyForHTTPS
 from zope.interface import implementer
 
+from rolemesh.event_loop.twisted_compat import quiet_connection_pool
 from rolemesh.interfaces import IHTTPClientReactor
-from rolemesh.twisted_compat import quiet_connection_pool
 
 
 def quiet_pool(reactor: IReactorTime, persistent: bool) -> HTTPConnectionPool:

@@ -1,4 +1,4 @@
-"""rolemesh.child_http: the proxy's HTTP/1.1 client for children, over fake connections."""
+"""rolemesh.child_client: the proxy's HTTP/1.1 client for children, over fake connections."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from zope.interface.verify import verifyObject
 
-from rolemesh.child_http import BadResponse, ChildAgent, parse_head
+from rolemesh.child_client import BadResponse, ChildAgent, parse_head
+from rolemesh.event_loop.twisted_compat import never_sent
 from rolemesh.proxy import BytesProducer
-from rolemesh.twisted_compat import never_sent
 
 URL = b"http://127.0.0.1:20000/v1/chat/completions"
 HEADERS = Headers({b"content-type": [b"application/json"]})

@@ -1,4 +1,6 @@
-"""A lean HTTP/1.1 client for the agent's own llama-server children.
+"""A lean HTTP/1.1 client for the agent's own llama-server children: the
+requests the proxy relays (probes, telemetry and the dispatcher use
+:mod:`rolemesh.control_client`).
 
 ``twisted.web.client.Agent`` is general (any server, TLS, redirects, a
 request and a response state machine of several objects, a pool keyed by
@@ -53,8 +55,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer, IResponse
 from zope.interface import implementer
 
+from rolemesh.event_loop.twisted_compat import write_now, write_pending
 from rolemesh.interfaces import IHTTPClientReactor
-from rolemesh.twisted_compat import write_now, write_pending
 
 #: The most bytes of status line and headers accepted.
 MAX_HEAD = 65536

@@ -10,7 +10,7 @@ from twisted.web.iweb import IAgentEndpointFactory, IPolicyForHTTPS
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from rolemesh.http_client import LiteralAddressEndpoints, quiet_pool
+from rolemesh.control_client import LiteralAddressEndpoints, quiet_pool
 
 
 class EndpointTests(SynchronousTestCase):
