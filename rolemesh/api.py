@@ -39,7 +39,6 @@ from rolemesh.node_events import SSEClient
 from rolemesh.proxy import CLIENT_GONE, STALLED, Forward, Proxy, UpstreamUnreachable
 from rolemesh.readiness import Readiness
 from rolemesh.reload import ReloadResult
-from rolemesh.supervisor import READY, DeviceSupervisor
 from rolemesh.tenants import Tenants
 
 log = Logger()
@@ -437,10 +436,10 @@ class NodeAPI:
                 "created": _CREATED,
                 "owned_by": "rolemesh",
                 "roles": list(model.roles),
-                "loaded_on": [n for n in where if self.node.supervisors[n].state == READY],
-                "loading_on": [n for n in where if self.node.supervisors[n].state != READY],
+                "loaded_on": [n for n in where if self.node.device_ready(n)],
+                "loading_on": [n for n in where if not self.node.device_ready(n)],
             }
-            progress = {n: self.node.load_progress(n) for n in where if self.node.supervisors[n].state != READY}
+            progress = {n: self.node.load_progress(n) for n in where if not self.node.device_ready(n)}
             entry["load_progress"] = {n: p for n, p in progress.items() if p is not None}
             entry.update({k: v for k, v in self.node.model_memory(model).items() if k != "model_id"})
             if model.alias:
@@ -464,10 +463,7 @@ class NodeAPI:
     @app.route("/v1/node/devices/<device>/logs", methods=["GET"])
     def device_logs(self, request: IRequest, device: str) -> bytes:
         self._authorize(request)
-        supervisor = self.node.supervisors.get(device)
-        if supervisor is None:
-            raise errors.ApiError(404, f"no device {device[:64]!r} on this node", "invalid_request_error",
-                                  "device_not_found")
+        self._device(device)
         raw = (request.args.get(b"tail") or [b"100"])[0]
         try:
             tail = int(raw)
@@ -475,7 +471,7 @@ class NodeAPI:
             tail = -1
         if not 0 <= tail <= MAX_LOG_TAIL:
             raise _bad_request(f"tail must be an integer from 0 to {MAX_LOG_TAIL}", "invalid_tail")
-        return _json(request, 200, {"device": device, "lines": supervisor.log_tail(tail)})
+        return _json(request, 200, {"device": device, "lines": self.node.device_log_tail(device, tail)})
 
     @app.route("/v1/node/events", methods=["GET"])
     def events_stream(self, request: IRequest) -> "defer.Deferred[None]":
@@ -551,33 +547,32 @@ class NodeAPI:
 
     # -- operator routes: warm or free a device -------------------------------------
 
-    def _supervisor(self, device: str) -> DeviceSupervisor:
-        supervisor = self.node.supervisors.get(device)
-        if supervisor is None:
+    def _device(self, device: str) -> None:
+        """404 unless ``device`` is a device (or device group) of this node."""
+        if not self.node.has_device(device):
             raise errors.ApiError(404, f"no device {device[:64]!r} on this node", "invalid_request_error",
                                   "device_not_found")
-        return supervisor
 
     @app.route("/v1/node/devices/<device>/load", methods=["POST"])
     @defer.inlineCallbacks
     def load(self, request: IRequest, device: str) -> Generator["defer.Deferred[Lease]", Lease, bytes]:
         """Load a model on a device, queued like a request (429 when full)."""
         self._authorize(request)
-        supervisor = self._supervisor(device)
+        self._device(device)
         payload = parse_body(self._body(request), self.config.max_request_body_bytes)
         model = self.node.resolve(payload["model"])
         lease = yield self.node.acquire(model, device=device)
         lease.release()
-        return _json(request, 200, {"device": device, "model": model.model_id, **supervisor.snapshot()})
+        return _json(request, 200, {"device": device, "model": model.model_id, **self.node.device_snapshot(device)})
 
     @app.route("/v1/node/devices/<device>/unload", methods=["POST"])
     @defer.inlineCallbacks
     def unload(self, request: IRequest, device: str) -> Generator["defer.Deferred[None]", None, bytes]:
         """Stop a device's child once the requests ahead of this one are done."""
         self._authorize(request)
-        supervisor = self._supervisor(device)
+        self._device(device)
         yield self.node.unload(device)
-        return _json(request, 200, {"device": device, **supervisor.snapshot()})
+        return _json(request, 200, {"device": device, **self.node.device_snapshot(device)})
 
     def _request_id(self, request: RouteRequest) -> str:
         given = (request.getHeader(b"x-request-id") or b"").decode("latin-1")  # bytes: the raw header value
