@@ -1014,3 +1014,23 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             "memory_estimate": e.to_json() if e is not None else None,
             "fits_on": self.fits_on(model),
         }
+
+    # -- views for the API ----------------------------------------------------------------
+    # What the routes read of a device (or device group) and its child: the
+    # routes go through the node, never to a supervisor.
+
+    def has_device(self, device: str) -> bool:
+        """Whether ``device`` names a device or device group of this node."""
+        return device in self.supervisors
+
+    def device_ready(self, device: str) -> bool:
+        """Whether ``device``'s child is ready (not starting, stopping or down)."""
+        return self.supervisors[device].state == READY
+
+    def device_snapshot(self, device: str) -> Dict[str, Any]:
+        """``device``'s child: state, model, port, pid, restarts (the operator routes' answer)."""
+        return self.supervisors[device].snapshot()
+
+    def device_log_tail(self, device: str, lines: int) -> List[str]:
+        """The last ``lines`` lines ``device``'s children printed."""
+        return self.supervisors[device].log_tail(lines)

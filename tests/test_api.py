@@ -12,8 +12,10 @@ from twisted.internet.error import ConnectionRefusedError
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh import errors
-from rolemesh.api import MAX_LOG_TAIL, MAX_MODEL_NAME, RECORD_DELAY_S, NodeAPI, parse_body
-from rolemesh.errors import ApiError
+from rolemesh.api import NodeAPI
+from rolemesh.api_answers import MAX_MODEL_NAME
+from rolemesh.api_node import MAX_LOG_TAIL
+from rolemesh.api_relay import RECORD_DELAY_S
 from rolemesh.listener import GuardedSite
 from rolemesh.proxy import Proxy
 from rolemesh.supervisor import READY, STARTING, STOPPING
@@ -752,22 +754,6 @@ class RequestIdTests(ApiTestCase):
         answer = self.h.chat({"model": "nope"}, headers={"X-Request-Id": "trace-1"})
         self.assertEqual(answer.code, 404)
         self.assertEqual(answer.header("x-request-id"), "trace-1")
-
-
-class ParseBodyTests(SynchronousTestCase):
-    def test_returns_the_payload(self) -> None:
-        self.assertEqual(parse_body(b'{"model": "a", "x": [1]}', 100), {"model": "a", "x": [1]})
-
-    def test_limit(self) -> None:
-        with self.assertRaises(ApiError) as caught:
-            parse_body(b'{"model": "a"}', 5)
-        self.assertEqual(caught.exception.status, 413)
-
-    def test_each_rejection_is_400(self) -> None:
-        for body in (b"\xff", b"{", b"[]", b"{}", b'{"model": 1}', b'{"model": ""}', b"[" * 50000):
-            with self.assertRaises(ApiError) as caught:
-                parse_body(body, 1 << 20)
-            self.assertEqual(caught.exception.status, 400, body[:20])
 
 
 # The same tests with the listener's fast channel in front (rolemesh/fast_channel.py):

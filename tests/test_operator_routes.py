@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, List
 
+from rolemesh.api_answers import request_body
 from rolemesh.node import Lease
 from rolemesh.supervisor import READY, STOPPED, STOPPING
 from tests.test_api import ApiTestCase
@@ -82,7 +83,7 @@ class BodyDiscardedByListenerTests(ApiTestCase):
         request.body_too_large = True  # what rolemesh.listener.LimitedRequest sets
         error = None
         try:
-            self.h.api._body(request)
+            request_body(request, self.h.config.max_request_body_bytes)
         except Exception as e:  # noqa: BLE001
             error = e
         self.assertEqual((error.status, error.code), (413, "request_too_large"))  # type: ignore[union-attr]

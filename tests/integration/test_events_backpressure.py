@@ -14,7 +14,7 @@ from twisted.internet.defer import inlineCallbacks
 from twisted.trial.unittest import TestCase
 
 from rolemesh import node_events as ne
-from rolemesh.api import SSE_MAX_BACKLOG
+from rolemesh.api_node import SSE_MAX_BACKLOG
 from rolemesh.listener import GuardedSite
 from tests.test_api import ApiHarness
 

@@ -1,0 +1,325 @@
+"""The proxied OpenAI routes: check a request, ask the node for a device
+(:meth:`rolemesh.node.Node.lease_now`, else :meth:`~rolemesh.node.Node.acquire`),
+relay it to that device's llama-server (:class:`rolemesh.proxy.Proxy`), and
+record it (its log line and its ``request`` event) once the answer is out.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+import time
+import uuid
+from typing import Any, Callable, Generator, Iterator, List, Optional, Sequence, Tuple, Union
+
+from twisted.internet import defer
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger, LogLevel
+from twisted.python.failure import Failure
+
+from rolemesh import errors
+from rolemesh.adapters import with_lora
+from rolemesh.api_answers import parse_body, request_body
+from rolemesh.api_keys import ApiKeys
+from rolemesh.config import NodeConfig
+from rolemesh.events import Events
+from rolemesh.interfaces import ProxiedRequest, RouteRequest
+from rolemesh.logs import emit, one_write
+from rolemesh.node import Lease, Node
+from rolemesh.proxy import CLIENT_GONE, STALLED, Forward, Proxy, UpstreamUnreachable
+from rolemesh.tenants import Tenants
+
+#: The API's log namespace (the request log line's, whichever module writes it).
+log = Logger(namespace="rolemesh.api")
+
+#: The request log line and metrics wait up to this long after the answer:
+#: the answer goes out first, and the requests finished meanwhile are
+#: recorded in one wake-up (at a few hundred requests a second, a dozen).
+#: Flushed at shutdown, after the drain.
+RECORD_DELAY_S = 0.05
+#: The request log line (its fields are JSON keys with ``log_format: json``).
+REQUEST_LOG_FORMAT = "POST /v1/{endpoint} {model} -> {status} on {device} in {duration_ms:.1f} ms"
+#: ... of a request that never reached a device (refused, or ended while it waited
+#: for one), and of one whose model is not known either; the fields are the same.
+UNPLACED_LOG_FORMAT = "POST /v1/{endpoint} {model} -> {status} on no device in {duration_ms:.1f} ms"
+UNRESOLVED_LOG_FORMAT = "POST /v1/{endpoint} -> {status} on no device in {duration_ms:.1f} ms"
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+def request_ids() -> Iterator[str]:
+    """Request ids for requests that bring none: 32 hex digits, a random
+    64-bit prefix per process and a counter, unique across restarts and
+    nodes as uuid4's are, without ``os.urandom`` per request."""
+    prefix = uuid.uuid4().hex[:16]
+    return (f"{prefix}{n:016x}" for n in itertools.count(1))
+
+
+_request_ids = request_ids()
+
+
+def request_id(request: RouteRequest) -> str:
+    """The request's id: its ``X-Request-Id`` if it is a sane one, else a
+    fresh one; either way echoed in the answer's ``X-Request-Id``."""
+    given = (request.getHeader(b"x-request-id") or b"").decode("latin-1")  # bytes: the raw header value
+    rid = given if given and _REQUEST_ID.fullmatch(given) else next(_request_ids)
+    request.setHeader(b"x-request-id", rid.encode("ascii"))
+    return rid
+
+
+class _Record:
+    """What the request log line and the observers say of one proxied request."""
+
+    __slots__ = ("endpoint", "request_id", "started", "model", "device", "status", "ttfb")
+
+    def __init__(self, endpoint: str, request_id: str, started: float) -> None:
+        self.endpoint = endpoint
+        self.request_id = request_id
+        self.started = started
+        self.model: Optional[str] = None
+        self.device: Optional[str] = None
+        self.status = 500
+        self.ttfb: Optional[float] = None
+
+    def first_byte(self) -> None:
+        if self.ttfb is None:
+            self.ttfb = time.monotonic() - self.started
+
+
+class RequestLog:
+    """The proxied requests' log lines and ``request`` events, written a
+    moment after each answer (:data:`RECORD_DELAY_S`) with the others
+    finished meanwhile: one wake-up for all of them, after their answers
+    went out."""
+
+    def __init__(self, reactor: Callable[[], IReactorTime], observers: Sequence[Callable[..., None]] = ()) -> None:
+        #: The clock, asked when first needed (the node's reactor, resolved lazily).
+        self._reactor = reactor
+        #: Told ("request", **fields) of each finished proxied request.
+        self.events = Events(*observers)
+        #: Finished requests not yet logged, with when they ended.
+        self._unrecorded: List[Tuple[_Record, float]] = []
+        self._flush: Optional[IDelayedCall] = None
+
+    def later(self, record: _Record, ended: float) -> None:
+        """Log and observe ``record`` (ended at ``ended``) a moment from now."""
+        self._unrecorded.append((record, ended))
+        if len(self._unrecorded) == 1:
+            self._flush = self._reactor().callLater(RECORD_DELAY_S, self._record_all)
+
+    def _record_all(self) -> None:
+        records, self._unrecorded = self._unrecorded, []
+        with one_write():  # the batch's log lines in one write
+            for record, ended in records:
+                self._record(record, ended)
+
+    def flush(self) -> None:
+        """Record the finished requests now (shutdown: the timer would not run)."""
+        if self._flush is not None and self._flush.active():
+            self._flush.cancel()
+        self._flush = None
+        self._record_all()
+
+    def _record(self, record: _Record, ended: float) -> None:
+        """The request log line (``log.info``'s event, built here once) and
+        the ``request`` event."""
+        duration = ended - record.started
+        form = (REQUEST_LOG_FORMAT if record.device is not None
+                else UNPLACED_LOG_FORMAT if record.model is not None else UNRESOLVED_LOG_FORMAT)
+        emit(log, LogLevel.info, form, {
+            "duration_ms": duration * 1000, "endpoint": record.endpoint, "model": record.model,
+            "status": record.status, "duration": duration, "ttfb": record.ttfb, "device": record.device,
+            "request_id": record.request_id})
+        self.events.emit("request", endpoint=record.endpoint, model=record.model, status=record.status,
+                         duration=duration, ttfb=record.ttfb)
+
+
+class _Exchange:
+    """One proxied request's steps once it is placed: the lease, the relay,
+    the lease's release and the record, as plain method calls, firing
+    ``result`` at the end.  No chain of Deferreds: this runs for every
+    inference request, and the chaining cost more than the steps.  Only the
+    rare ends wait on Deferreds: a place in the queue or a load
+    (:meth:`wait`), a child that gave no answer (retried once) or went silent
+    (probed).  Cancelling ``result`` (the client went away) cancels what it
+    waits for: the place in the queue, or the relay (closing the upstream
+    connection, which stops the generation)."""
+
+    __slots__ = ("relay", "request", "path", "body", "streaming", "record", "result", "_lease", "_forward",
+                 "_waiting")
+
+    def __init__(self, relay: "Relay", request: ProxiedRequest, path: str, body: bytes, streaming: bool,
+                 record: _Record) -> None:
+        self.relay = relay
+        self.request = request
+        self.path = path
+        self.body = body
+        self.streaming = streaming
+        self.record = record
+        self.result: "defer.Deferred[None]" = defer.Deferred(self._cancel)
+        self._lease: Optional[Lease] = None
+        #: The relay under way, or the Deferred waited for (at most one of the two).
+        self._forward: Optional[Forward] = None
+        self._waiting: "Optional[defer.Deferred[Any]]" = None
+
+    def wait(self, acquired: "defer.Deferred[Lease]") -> None:
+        """Relay once ``acquired`` fires (queued, or waiting for a load)."""
+        self._waiting = acquired
+        acquired.addCallbacks(self.start, self._ended)
+
+    def start(self, lease: Lease) -> None:
+        """Send the request to the lease's child."""
+        self._waiting = None
+        self._lease = lease
+        self.record.device = lease.device
+        config = self.relay.config
+        try:
+            forward = self.relay.proxy.start(
+                self.request, lease.endpoint.base_url, self.path, self.body, self.streaming,
+                config.request_timeout_s, self.record.first_byte, config.stream_idle_timeout_s, self._forwarded)
+        except Exception:  # a bug: the request is still answered (500) and the device freed
+            self._relayed(Failure())
+            return
+        if not forward.done:  # else it ended already (an answer the relay had at once)
+            self._forward = forward
+
+    def _forwarded(self, outcome: Union[str, Failure]) -> None:
+        self._forward = None
+        if isinstance(outcome, Failure) or outcome == STALLED:  # the rare ends: retried, or the child probed
+            lease = self._lease
+            assert lease is not None
+            waiting = self._waiting = self.relay._after(outcome, lease, self.request, self.path, self.body,
+                                                        self.streaming, self.record)
+            waiting.addBoth(self._relayed)
+        else:
+            self._relayed(outcome)
+
+    def _relayed(self, outcome: Union[str, Failure]) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+        self._ended(outcome)
+
+    def _ended(self, outcome: Union[str, Failure]) -> None:
+        self._waiting = None
+        failed = self.relay._proxied(outcome, self.request, self.record)
+        if self.result.called:  # cancelled, and what it waited for ended later
+            return
+        if failed is None:
+            self.result.callback(None)
+        else:
+            self.result.errback(failed)
+
+    def _cancel(self, _: "defer.Deferred[None]") -> None:
+        if self._forward is not None:
+            self._forward.cancel()
+        elif self._waiting is not None:
+            self._waiting.cancel()
+
+
+class Relay:
+    """The routes relayed to llama-server (``relayed=`` in rolemesh/api.py's
+    table): :meth:`serve` checks, places and relays one request."""
+
+    def __init__(self, config: NodeConfig, node: Node, proxy: Proxy, keys: ApiKeys,
+                 observers: Sequence[Callable[..., None]] = ()) -> None:
+        self.node = node
+        self.proxy = proxy
+        self._keys = keys
+        #: The request log: each request's line and ``request`` event.
+        self.log = RequestLog(lambda: node.reactor, observers)
+        self.use_config(config)
+
+    def use_config(self, config: NodeConfig) -> None:
+        """Relay with ``config``'s limits and tenants from the next request on."""
+        self.config = config
+        self.tenants = Tenants(config)
+
+    def serve(self, request: ProxiedRequest, endpoint: str, path: str) -> "defer.Deferred[None]":
+        """Check, place and relay one request (see :class:`_Exchange` for its steps)."""
+        record = _Record(endpoint, request_id(request), time.monotonic())
+        try:
+            error, key = self._keys.index(request.getHeader(b"authorization"))
+            if error is not None:
+                raise error
+            share = self.tenants.share(key, request.getHeader(b"x-rolemesh-tenant"),
+                                       request.getHeader(b"x-rolemesh-priority"))
+            if self.node.draining:
+                raise errors.shutting_down()
+            body = request_body(request, self.config.max_request_body_bytes)
+            payload = parse_body(body, self.config.max_request_body_bytes)
+            model = self.node.resolve(payload["model"])
+            record.model = model.model_id
+            if model.lora_adapters:  # the agent sets the adapters' scales (one attribute test for the others)
+                body = with_lora(payload, model)
+            prompt = payload if endpoint != "embeddings" else None  # prefix affinity: not for embeddings
+            lease = self.node.lease_now(model, share, prompt)
+            acquired = self.node.acquire(model, share=share, prompt=prompt) if lease is None else None
+        except Exception:
+            return defer.fail().addBoth(self._proxied, request, record)
+        exchange = _Exchange(self, request, path, body, payload.get("stream") is True, record)
+        if acquired is None:
+            exchange.start(lease)  # type: ignore[arg-type]  # not None when acquired is
+        else:
+            exchange.wait(acquired)
+        return exchange.result
+
+    def _proxied(self, result: Union[str, Failure], request: ProxiedRequest, record: "_Record") -> Optional[Failure]:
+        """How it ended, for the record; logged and observed once the answer is out."""
+        if isinstance(result, Failure):
+            if isinstance(result.value, errors.ApiError):
+                record.status = result.value.status
+            elif result.check(defer.CancelledError):
+                record.status = 499
+            failed: Optional[Failure] = result
+        else:
+            record.status = 499 if result == CLIENT_GONE else request.code
+            failed = None
+        self.log.later(record, time.monotonic())  # written RECORD_DELAY_S later: after the answer's end
+        return failed
+
+    def _after(self, outcome: Union[str, Failure], lease: Lease, request: ProxiedRequest, path: str, body: bytes,
+               streaming: bool, record: "_Record") -> "defer.Deferred[str]":
+        """The rare ends of a relay: a child that gave no answer (once more to
+        a fresh child, if it was unreachable) or none in time, or went silent
+        mid-answer: it is checked.  Fires with the outcome, or fails."""
+        if not isinstance(outcome, Failure):
+            return self._stalled(lease)
+        forward = functools.partial(
+            self.proxy.forward, request, path=path, body=body, streaming=streaming,
+            timeout=self.config.request_timeout_s, idle_timeout=self.config.stream_idle_timeout_s,
+            on_first_byte=record.first_byte)
+        return self._not_answered(outcome, lease, forward)
+
+    def _answered(self, outcome: str, lease: Lease) -> Union[str, "defer.Deferred[str]"]:
+        return self._stalled(lease) if outcome == STALLED else outcome
+
+    def _stalled(self, lease: Lease) -> "defer.Deferred[str]":
+        """The answer went silent mid-way (and was ended): the child is checked."""
+        log.warn("llama-server on {device} went silent for {seconds:g}s mid-answer "
+                 "(stream_idle_timeout_s); answer ended, child probed",
+                 device=lease.device, seconds=self.config.stream_idle_timeout_s)
+        return self.node.check_child(lease, "an answer gone silent (stream_idle_timeout_s)").addCallback(
+            lambda _: STALLED)
+
+    @defer.inlineCallbacks
+    def _not_answered(self, failure: Failure, lease: Lease, forward: Callable[..., "defer.Deferred[str]"]
+                      ) -> Generator["defer.Deferred[Any]", Any, str]:
+        """The rare path: no answer from the child (retried once), or none in time."""
+        try:
+            if not failure.check(UpstreamUnreachable):
+                failure.raiseException()
+            # Nothing was sent: the child died a moment ago.  The node
+            # checks it (replaced if it fails) and says where to try once more.
+            log.warn("llama-server on {device} unreachable ({error}); retrying once",
+                     device=lease.device, error=str(failure.value))
+            fresh = yield self.node.retry_endpoint(lease)
+            try:
+                outcome = yield forward(base_url=fresh.base_url)
+            except UpstreamUnreachable as again:
+                raise again.as_api_error() from None
+        except errors.ApiError as e:
+            if e.code == "upstream_timeout":
+                yield self.node.check_child(lease, "an upstream timeout")
+            raise
+        return (yield self._answered(outcome, lease))  # type: ignore[misc]  # a str comes back as it is
