@@ -618,10 +618,10 @@ class LostErrorTests(SynchronousTestCase):
         self.assertEqual(len(failures), 1, events)
         self.assertIn("device metrics bookkeeping failed", failures[0]["log_format"])
         self.flushLoggedErrors(AttributeError)
-        self.assertFalse(h.node._sampling, "the next tick may sample again")
+        self.assertFalse(h.node.sampler.sampling, "the next tick may sample again")
 
     def test_a_request_whose_start_breaks_is_answered_not_left_waiting(self) -> None:
-        import rolemesh.node as node_module
+        import rolemesh.leases as leases_module  # where a started ticket becomes a Lease
 
         h = NodeHarness()
         d = h.node.acquire(h.model("a"))
@@ -629,11 +629,11 @@ class LostErrorTests(SynchronousTestCase):
         def broken_lease(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("a bug in the ready callback")
 
-        real_lease, node_module.Lease = node_module.Lease, broken_lease  # type: ignore[assignment]
+        real_lease, leases_module.Lease = leases_module.Lease, broken_lease  # type: ignore[assignment]
         try:
             h.answer("alpha")
         finally:
-            node_module.Lease = real_lease  # type: ignore[misc]
+            leases_module.Lease = real_lease  # type: ignore[misc]
         self.failureResultOf(d, RuntimeError)
         self.assertTrue(h.idle(), "the ticket was freed")
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
@@ -729,7 +729,7 @@ class DrainTests(SynchronousTestCase):
         lease.release()
         self.successResultOf(drained)
         self.assertEqual([c for c in h.reactor.getDelayedCalls() if c.active()
-                          and getattr(c, "func", None) == h.node._drain_timeout], [])
+                          and getattr(c, "func", None) == h.node.drainer._timeout], [])
 
     def test_request_waiting_on_a_load_is_refused_when_the_drain_begins(self) -> None:
         h = self.h

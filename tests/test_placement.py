@@ -191,18 +191,18 @@ class FitTests(SynchronousTestCase):
         self.assertEqual(h.lease("b").device, "gpu:1")
 
     def test_estimates_are_worked_out_once_not_per_request(self) -> None:
-        import rolemesh.node as node_module
+        import rolemesh.placement as placement_module  # where the estimates are worked out
 
         h = Harness()
         calls: List[Any] = []
-        real = node_module.estimate_on
+        real = placement_module.estimate_on
 
         def counting(*args: Any, **kwargs: Any) -> Any:
             calls.append(args[1].model_id)
             return real(*args, **kwargs)
 
-        node_module.estimate_on = counting  # type: ignore[assignment]
-        self.addCleanup(setattr, node_module, "estimate_on", real)
+        placement_module.estimate_on = counting  # type: ignore[assignment]
+        self.addCleanup(setattr, placement_module, "estimate_on", real)
         first = h.lease("a")
         after_one = len(calls)
         first.release()
