@@ -119,6 +119,7 @@ class LeaseStarts(UsesReactor[IReactorTime]):
         started: Callable[[str, ModelConfig, float, Share], None],
         quiet: Callable[[str], None],
         cancel_idle: Callable[[str], None],
+        needs_new_child: Callable[[ModelConfig, ModelConfig], bool],
         reactor: Optional[IReactorTime] = None,
     ) -> None:
         self._scheduler = scheduler
@@ -130,6 +131,9 @@ class LeaseStarts(UsesReactor[IReactorTime]):
         #: A ticket ended on a device (its timers, the drain, a retired model).
         self._quiet = quiet
         self._cancel_idle = cancel_idle
+        #: Whether a model record needs another child than the one of an
+        #: older record of it (rolemesh.reload.needs_new_child).
+        self._needs_new_child = needs_new_child
         self._reactor = reactor
 
     def start(self, ticket: Ticket) -> None:
@@ -251,8 +255,6 @@ class LeaseStarts(UsesReactor[IReactorTime]):
         the model's command line must not turn the retry into a switch that
         stops the child under the other requests it serves.  A model a reload
         removed is not started again: 503."""
-        from rolemesh.reload import needs_new_child
-
         own = lease.model if lease.model is not None else lease.supervisor.model
         model_id = lease.endpoint.model_id
         if own is None or not any(m.model_id == model_id for m in self._config().models):
@@ -260,7 +262,7 @@ class LeaseStarts(UsesReactor[IReactorTime]):
                 503, f"model {model_id!r} was removed from the configuration by a reload while the request ran; "
                      "its child gave no answer and it is not started again", "server_error", "model_removed"))
         held = lease.supervisor.model
-        if held is not None and held is not own and held.model_id == model_id and not needs_new_child(own, held):
+        if held is not None and held is not own and held.model_id == model_id and not self._needs_new_child(own, held):
             own = held  # the same command line under a newer record (a reload changed roles, say)
         d = self.check_child(lease, "a refused connection")
         return d.addCallback(lambda _: lease.supervisor.ensure(own))

@@ -47,6 +47,7 @@ from rolemesh.placement import Placement
 from rolemesh.prefix import PrefixMemory
 from rolemesh.reactor import UsesReactor
 from rolemesh.readahead import ReadAhead
+from rolemesh.reload import needs_new_child
 from rolemesh.scheduler import Scheduler
 from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor, StateChange
 from rolemesh.telemetry import TelemetrySampler
@@ -113,7 +114,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         #: Which device last served each prompt prefix (prefix affinity).
         self.prefixes = PrefixMemory(config.prefix_memory_entries if config.prefix_affinity else 0)
         self.leases = LeaseStarts(self.scheduler, self.supervisors, current, draining, self._request_started,
-                                  self._device_quiet, self.timers.cancel_idle, reactor=reactor)
+                                  self._device_quiet, self.timers.cancel_idle, needs_new_child, reactor=reactor)
         self.admission = Admission(self.scheduler, self.supervisors, current, self.placement.placement,
                                    self.prefixes, draining, self.loaded_on, lambda model: self.read_ahead.warm(model),
                                    self._request_started, self.leases.release, emit, reactor=reactor)
@@ -305,8 +306,6 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         flight, then restarts the child with the new command.  Other changes
         (roles, idle_unload_s) are adopted by the running child as it is.
         """
-        from rolemesh.reload import needs_new_child
-
         self.config = config
         self.placement.forget()
         self.prefixes.resize(config.prefix_memory_entries if config.prefix_affinity else 0)
