@@ -191,18 +191,18 @@ class FitTests(SynchronousTestCase):
         self.assertEqual(h.lease("b").device, "gpu:1")
 
     def test_estimates_are_worked_out_once_not_per_request(self) -> None:
-        import rolemesh.node as node_module
+        import rolemesh.placement as placement_module  # where the estimates are worked out
 
         h = Harness()
         calls: List[Any] = []
-        real = node_module.estimate_on
+        real = placement_module.estimate_on
 
         def counting(*args: Any, **kwargs: Any) -> Any:
             calls.append(args[1].model_id)
             return real(*args, **kwargs)
 
-        node_module.estimate_on = counting  # type: ignore[assignment]
-        self.addCleanup(setattr, node_module, "estimate_on", real)
+        placement_module.estimate_on = counting  # type: ignore[assignment]
+        self.addCleanup(setattr, placement_module, "estimate_on", real)
         first = h.lease("a")
         after_one = len(calls)
         first.release()
@@ -470,3 +470,82 @@ class CheckCommandTests(SynchronousTestCase):
         self.assertIn("pair: 1.3 MiB", text)
         self.assertIn("fits on cpu:0+cpu:1", text)
         self.assertIn("# WARNING: huge: needs an estimated", text)
+
+
+class PlacementPartTests(SynchronousTestCase):
+    """rolemesh.placement alone: the node's devices, groups and samples as plain values."""
+
+    def setUp(self) -> None:
+        self.config = make_config(MODELS)
+        self.refs = FakeBackend(count=3).refs
+        self.groups = {"gpu:0+gpu:1": ["gpu:0", "gpu:1"]}
+        self.metrics: Dict[str, DeviceMetrics] = {}
+        self.read: List[str] = []
+        self.lanes = {"gpu:0", "gpu:1", "gpu:2", "gpu:0+gpu:1"}
+        self.placement = self.make()
+
+    def make(self, backend: str = "fake", facts: Optional[Dict[str, Any]] = None) -> Any:
+        from rolemesh.placement import Placement
+
+        def reader(path: str) -> Optional[GGUFFacts]:
+            self.read.append(path)
+            return FACTS
+
+        return Placement(lambda: self.config, backend, lambda: self.refs, self.groups, self.metrics, self.lanes,
+                         facts=facts, read_facts=reader)
+
+    def model(self, model_id: str) -> Any:
+        return self.config.model(model_id)
+
+    def test_lanes_are_every_device_its_pinned_device_or_its_group(self) -> None:
+        self.assertEqual(self.placement.lanes_for(self.model("a")), ["gpu:0", "gpu:1", "gpu:2"])
+        self.assertEqual(self.placement.lanes_for(self.model("only1")), ["gpu:1"])
+        self.assertEqual(self.placement.lanes_for(self.model("G")), ["gpu:0+gpu:1"])
+
+    def test_capacity_sums_a_groups_members_once_for_a_shared_pool_and_follows_samples(self) -> None:
+        self.assertEqual(self.placement.capacity("gpu:2"), 16 * GIB)
+        self.assertEqual(self.placement.capacity("gpu:0+gpu:1"), 32 * GIB)
+        self.assertEqual(self.make(backend="cpu").capacity("gpu:0+gpu:1"), 16 * GIB)
+        self.refs = [attr.evolve(r, memory_total_bytes=None) for r in self.refs]
+        self.assertIsNone(self.placement.capacity("gpu:0"))
+        self.metrics["gpu:0"] = DeviceMetrics("gpu:0", 0.0, 24 * GIB, 0, 24 * GIB, None)
+        self.assertEqual(self.placement.capacity("gpu:0"), 24 * GIB)
+
+    def test_a_header_is_read_once_per_path_and_an_unreadable_one_means_no_estimate(self) -> None:
+        first = self.placement.estimate_for(self.model("a"))
+        self.assertIs(self.placement.estimate_for(self.model("a"), "gpu:0"), first, "worked out once")
+        self.assertEqual(self.read, ["/models/a.gguf"])
+        unknown = self.make(facts={"/models/a.gguf": None})
+        self.assertIsNone(unknown.estimate_for(self.model("a")))
+        self.assertEqual(unknown.fits_on(self.model("a")), ["gpu:0", "gpu:1", "gpu:2"], "unknown: never refused")
+
+    def test_fit_and_too_large(self) -> None:
+        self.assertEqual(self.placement.fits_on(self.model("wide")), ["gpu:0+gpu:1"])
+        self.assertIsNone(self.placement.too_large(self.model("a")))
+        problem = self.placement.too_large(self.model("big"))
+        assert problem is not None
+        self.assertEqual((problem.status, problem.code), (400, "model_too_large"))
+
+    def test_a_placement_is_kept_until_forgotten_and_a_refusal_is_never_kept(self) -> None:
+        placed = self.placement.placement(self.model("a"), None)
+        self.assertEqual(placed[0], ["gpu:0", "gpu:1", "gpu:2"])
+        self.assertEqual(set(placed[1]), {"gpu:0", "gpu:1", "gpu:2"})
+        self.refs = self.refs[:1]
+        self.assertIs(self.placement.placement(self.model("a"), None), placed)
+        self.placement.forget()
+        self.assertEqual(self.placement.placement(self.model("a"), None)[0], ["gpu:0"])
+        self.assertRaises(errors.ApiError, self.placement.placement, self.model("big"), None)
+        self.refs = [attr.evolve(r, memory_total_bytes=1 << 40) for r in self.refs]
+        self.assertEqual(self.placement.placement(self.model("big"), None)[0], ["gpu:0"], "worked out again")
+
+    def test_a_pinned_device_must_be_one_the_model_may_use_and_a_member_means_its_group(self) -> None:
+        self.assertEqual(self.placement.placement(self.model("G"), "gpu:1")[2], "gpu:0+gpu:1")
+        with self.assertRaises(errors.ApiError) as caught:
+            self.placement.placement(self.model("only1"), "gpu:2")
+        self.assertEqual((caught.exception.status, caught.exception.code), (400, "device_not_eligible"))
+
+    def test_a_lane_the_node_lacks_needs_a_restart(self) -> None:
+        self.lanes.discard("gpu:0+gpu:1")
+        with self.assertRaises(errors.ApiError) as caught:
+            self.placement.placement(self.model("G"), None)
+        self.assertEqual((caught.exception.status, caught.exception.code), (503, "restart_required"))
