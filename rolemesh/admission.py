@@ -20,11 +20,11 @@ from twisted.logger import Logger
 
 from rolemesh import errors
 from rolemesh.config import ModelConfig, NodeConfig
+from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.fairqueue import DEFAULT_SHARE, Share
 from rolemesh.leases import Acquisition, Lease, UnloadRequest, stop_queue_timer
 from rolemesh.placement import Placed
 from rolemesh.prefix import PrefixMemory, prefix_hashes
-from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
 from rolemesh.supervisor import DeviceSupervisor
 from rolemesh.tenants import tenant_limit

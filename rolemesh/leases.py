@@ -22,8 +22,8 @@ from twisted.python.failure import Failure
 
 from rolemesh import errors
 from rolemesh.config import ModelConfig, NodeConfig
-from rolemesh.fairqueue import DEFAULT_SHARE, Share
 from rolemesh.event_loop.reactor import UsesReactor
+from rolemesh.fairqueue import DEFAULT_SHARE, Share
 from rolemesh.scheduler import UNLOAD, Scheduler, Ticket
 from rolemesh.supervisor import ChildEndpoint, DeviceSupervisor
 

@@ -13,10 +13,10 @@ from twisted.internet.interfaces import IReactorTime
 from rolemesh import chat_templates
 from rolemesh.config import NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
+from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.payloads import device_state
 from rolemesh.placement import Placement
 from rolemesh.prefix import PrefixMemory
-from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.scheduler import Scheduler
 from rolemesh.supervisor import STARTING, DeviceSupervisor
 from rolemesh.telemetry import ChildTelemetry, device_issues, load_progress
