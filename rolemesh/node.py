@@ -32,6 +32,7 @@ from rolemesh.interfaces import IDeviceBackend, IHTTPClientReactor
 from rolemesh.node_events import NodeFeed
 from rolemesh.payloads import device_state
 from rolemesh.prefix import PrefixMemory, prefix_hashes
+from rolemesh.prompt_cache import PromptCacheTally
 from rolemesh.reactor import UsesReactor
 from rolemesh.readahead import ReadAhead
 from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
@@ -161,6 +162,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         self.prefixes = PrefixMemory(config.prefix_memory_entries if config.prefix_affinity else 0)
         #: model id -> [prefix lookups, hits].
         self._prefix_counts: Dict[str, List[int]] = {}
+        #: Prompt tokens served from llama-server's cache vs processed, per (device, model).
+        self.prompt_cache = PromptCacheTally()
 
     def _emit(self, event: str, **fields: Any) -> None:
         self.events.emit(event, **fields)
@@ -957,6 +960,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             entry["warnings"] = supervisor.warnings
             entry["backoff"] = self._backoff_json(supervisor)
             entry.update(self._telemetry_blocks(device.name))
+            entry["prompt_tokens"] = self.prompt_cache.device_json(device.name)
             devices.append(entry)
         warnings = [w for s in self.supervisors.values() for w in s.warnings]
         if self.config.exposed_without_key:
@@ -1002,6 +1006,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
                 "backoff": self._backoff_json(supervisor), "memory_total_bytes": self.capacity(group),
                 **self._telemetry_state(supervisor, len(book.queue), None),
                 **self._telemetry_blocks(group),
+                "prompt_tokens": self.prompt_cache.device_json(group),
             })
         return out
 
