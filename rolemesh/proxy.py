@@ -16,7 +16,7 @@ fails on a stale pooled connection before any byte was sent is retried once.
 from __future__ import annotations
 
 import json
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
@@ -163,6 +163,16 @@ def openai_error(body: bytes, status: int) -> Optional[bytes]:
     return json.dumps(payload).encode("utf-8")
 
 
+def tell_timings(timings: TimingsCallback, found: Optional[Tuple[int, int]]) -> None:
+    """Tell ``timings`` the figures ``found`` (:func:`prompt_timings`), if
+    any; a bug in it is logged, never the relay's (or the request's) end."""
+    if found is not None:
+        try:
+            timings(*found)
+        except Exception:
+            log.failure("counting an answer's prompt tokens failed")
+
+
 def sse_error_event(message: str) -> bytes:
     """The event that ends a stream whose upstream died after it began."""
     body = {"error": {"message": message, "type": "server_error", "code": "upstream_error"}}
@@ -229,13 +239,12 @@ class _Relay(Protocol):
         """Tell ``timings`` what the last reads say (once; nothing if they have none)."""
         timings, self._timings = self._timings, None
         assert timings is not None
-        last = self._last
-        found = prompt_timings(last)
-        if found is None and self._before:
-            found = prompt_timings(self._before[-TIMINGS_SPAN:] + last)
+        last, before = self._last, self._before
         self._last = self._before = b""
-        if found is not None:
-            timings(*found)
+        found = prompt_timings(last)
+        if found is None and before:  # split by a read (rare), or in the read before [DONE]
+            found = prompt_timings(before[-TIMINGS_SPAN:] + last)
+        tell_timings(timings, found)
 
     def abort(self) -> None:
         """Close the upstream connection (the client went away, or a deadline passed)."""
@@ -418,9 +427,7 @@ class Forward:
         timings = self.on_timings if 200 <= response.code < 300 else None
         if body is not None:
             if timings is not None:
-                found = prompt_timings(body)
-                if found is not None:
-                    timings(*found)
+                tell_timings(timings, prompt_timings(body))
             if error_status is not None:
                 shaped = openai_error(body, error_status)
                 if shaped is not None:

@@ -944,3 +944,16 @@ class TimingsTests(ProxyTestCase):
         response.send(self.BODY)
         response.finish()
         self.assertEqual((self.successResultOf(d), scanned), (COMPLETE, []))
+
+    def test_a_bug_in_the_callback_is_logged_and_the_answer_still_ends(self) -> None:
+        def broken(cached: int, processed: int) -> None:
+            raise RuntimeError("bug")
+
+        for streaming in (False, True):
+            self.request = DownstreamRequest()
+            d = self.proxy.forward(self.request, BASE, "/v1/chat/completions", b"{}", streaming, on_timings=broken)
+            response = self.agent.last.respond(self.event_stream() if streaming else FakeResponse())
+            response.send(self.LAST + b"data: [DONE]\n\n" if streaming else self.BODY)
+            response.finish()
+            self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 2)
