@@ -176,12 +176,17 @@ class _Exchange:
         try:
             forward = self.relay.proxy.start(
                 self.request, lease.endpoint.base_url, self.path, self.body, self.streaming,
-                config.request_timeout_s, self.record.first_byte, config.stream_idle_timeout_s, self._forwarded)
+                config.request_timeout_s, self.record.first_byte, config.stream_idle_timeout_s, self._forwarded,
+                None if self.record.endpoint == "embeddings" else self._prompt_tokens)
         except Exception:  # a bug: the request is still answered (500) and the device freed
             self._relayed(Failure())
             return
         if not forward.done:  # else it ended already (an answer the relay had at once)
             self._forward = forward
+
+    def _prompt_tokens(self, cached: int, processed: int) -> None:
+        """The answer's ``timings``: its prompt tokens served from cache and processed."""
+        self.relay.node.prompt_cache.add(self.record.device, self.record.model, cached, processed)
 
     def _forwarded(self, outcome: Union[str, Failure]) -> None:
         self._forward = None
@@ -288,7 +293,9 @@ class Relay:
         forward = functools.partial(
             self.proxy.forward, request, path=path, body=body, streaming=streaming,
             timeout=self.config.request_timeout_s, idle_timeout=self.config.stream_idle_timeout_s,
-            on_first_byte=record.first_byte)
+            on_first_byte=record.first_byte,
+            on_timings=None if record.endpoint == "embeddings" else functools.partial(
+                self.node.prompt_cache.add, record.device, record.model))
         return self._not_answered(outcome, lease, forward)
 
     def _answered(self, outcome: str, lease: Lease) -> Union[str, "defer.Deferred[str]"]:

@@ -465,6 +465,7 @@ class _LiveCollector(Collector):
             self._children,
             self._backoffs,
             self._supervisor_counters,
+            self._prompt_tokens,
             self._devices,
             self._telemetry,
             self._dispatcher,
@@ -585,6 +586,24 @@ class _LiveCollector(Collector):
                         [device, model_id], metrics._supervisor_counts.get((device, model_id, event), 0)
                     )
             yield family
+
+    def _prompt_tokens(self) -> Iterator[Metric]:
+        """Prompt tokens llama-server served from its cache and processed
+        (the answers' ``timings``), per device (or group) and model: 0 for
+        every configured pair from the start."""
+        metrics = self._metrics
+        tally = metrics.node.prompt_cache
+        cached = CounterMetricFamily("rolemesh_prompt_tokens_cached", "Prompt tokens llama-server reused from its "
+                                     "KV cache (timings.cache_n of its answers).", labels=["device", "model"])
+        processed = CounterMetricFamily("rolemesh_prompt_tokens_processed", "Prompt tokens llama-server processed "
+                                        "(timings.prompt_n of its answers).", labels=["device", "model"])
+        pairs = {(device, model_id) for device in metrics.node.supervisors for model_id in metrics._models}
+        for device, model_id in sorted(pairs | set(tally.counts)):
+            hit, miss = tally.get(device, model_id)
+            cached.add_metric([device, model_id], hit)
+            processed.add_metric([device, model_id], miss)
+        yield cached
+        yield processed
 
     def _devices(self) -> Iterator[Metric]:
         node = self._metrics.node

@@ -46,6 +46,7 @@ from rolemesh.node_events import NodeFeed
 from rolemesh.node_views import NodeViews
 from rolemesh.placement import Placement
 from rolemesh.prefix import PrefixMemory
+from rolemesh.prompt_cache import PromptCacheTally
 from rolemesh.readahead import ReadAhead
 from rolemesh.reload import needs_new_child
 from rolemesh.scheduler import Scheduler
@@ -113,6 +114,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         self.read_ahead = ReadAhead(lambda: self.reactor)
         #: Which device last served each prompt prefix (prefix affinity).
         self.prefixes = PrefixMemory(config.prefix_memory_entries if config.prefix_affinity else 0)
+        #: Prompt tokens served from llama-server's cache vs processed, per (device, model).
+        self.prompt_cache = PromptCacheTally()
         self.leases = LeaseStarts(self.scheduler, self.supervisors, current, draining, self._request_started,
                                   self._device_quiet, self.timers.cancel_idle, needs_new_child, reactor=reactor)
         self.admission = Admission(self.scheduler, self.supervisors, current, self.placement.placement,
@@ -133,7 +136,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         self.views = NodeViews(
             current, backend.name, self._current_devices, self.supervisors, self.groups, self.scheduler, self.metrics,
             self.placement, self.prefixes, lambda name: self.telemetry.latest(name), self.cache_hit_rates,
-            draining, reactor=reactor)
+            draining, reactor=reactor, prompt_cache=self.prompt_cache)
         #: The node's typed events (rolemesh.node_events): the events route's and the dispatcher's source.
         self.feed = NodeFeed(reactor)
         self.feed.watch(self)

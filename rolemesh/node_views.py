@@ -17,6 +17,7 @@ from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.payloads import device_state
 from rolemesh.placement import Placement
 from rolemesh.prefix import PrefixMemory
+from rolemesh.prompt_cache import PromptCacheTally
 from rolemesh.scheduler import Scheduler
 from rolemesh.supervisor import STARTING, DeviceSupervisor
 from rolemesh.telemetry import ChildTelemetry, device_issues, load_progress
@@ -40,6 +41,7 @@ class NodeViews(UsesReactor[IReactorTime]):
         cache_hit_rates: Callable[[], Dict[str, Optional[float]]],
         draining: Callable[[], bool],
         reactor: Optional[IReactorTime] = None,
+        prompt_cache: Optional[PromptCacheTally] = None,
     ) -> None:
         self._config = config
         self._backend_name = backend_name
@@ -51,6 +53,8 @@ class NodeViews(UsesReactor[IReactorTime]):
         self._metrics = metrics
         self._placement = placement
         self._prefixes = prefixes
+        #: Prompt tokens from llama-server's cache vs processed, per device and model.
+        self._prompt_cache = prompt_cache if prompt_cache is not None else PromptCacheTally()
         #: The latest telemetry sample of a device's or group's child.
         self._telemetry_of = telemetry_of
         self._cache_hit_rates = cache_hit_rates
@@ -104,6 +108,7 @@ class NodeViews(UsesReactor[IReactorTime]):
             entry["warnings"] = supervisor.warnings
             entry["backoff"] = self._backoff_json(supervisor)
             entry.update(self._telemetry_blocks(device.name))
+            entry["prompt_tokens"] = self._prompt_cache.device_json(device.name)
             devices.append(entry)
         warnings = [w for s in self._supervisors.values() for w in s.warnings]
         if config.exposed_without_key:
@@ -136,6 +141,7 @@ class NodeViews(UsesReactor[IReactorTime]):
                 "backoff": self._backoff_json(supervisor), "memory_total_bytes": self._placement.capacity(group),
                 **self._telemetry_state(supervisor, len(book.queue), None),
                 **self._telemetry_blocks(group),
+                "prompt_tokens": self._prompt_cache.device_json(group),
             })
         return out
 

@@ -129,12 +129,15 @@ def heartbeat_payload(
     now: float,
     devices: Sequence[Mapping[str, Any]],
     cache_hit_rate: Optional[Mapping[str, Optional[float]]] = None,
+    prompt_cache_hit_rate: Optional[Mapping[str, Optional[float]]] = None,
 ) -> Dict[str, Any]:
     """The body of ``POST <dispatcher>/v1/nodes/heartbeat``.
 
     ``cache_hit_rate`` (model id -> share of its requests whose prompt
     prefix was found on a device; None: none looked up) shows a dispatcher
-    where conversations stick.
+    where conversations stick; ``prompt_cache_hit_rate`` (model id -> share
+    of its prompt tokens llama-server served from its cache, from the
+    answers' ``timings``; None: none reported yet) what that saved.
 
     ``seq`` increases by one per heartbeat for the life of the process, so the
     dispatcher can drop reordered or duplicated beats; ``now`` is POSIX
@@ -154,6 +157,8 @@ def heartbeat_payload(
            "devices": entries}
     if cache_hit_rate is not None:
         out["cache_hit_rate"] = dict(cache_hit_rate)
+    if prompt_cache_hit_rate is not None:
+        out["prompt_cache_hit_rate"] = dict(prompt_cache_hit_rate)
     return out
 
 

@@ -16,7 +16,7 @@ fails on a stale pooled connection before any byte was sent is retried once.
 from __future__ import annotations
 
 import json
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
@@ -36,6 +36,7 @@ from rolemesh.child_client import ChildAgent
 from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.event_loop.twisted_compat import client_disconnected, never_sent
 from rolemesh.interfaces import ChildRequester, IHTTPClientReactor, ProxiedRequest
+from rolemesh.prompt_cache import prompt_timings
 
 log = Logger()
 
@@ -77,6 +78,13 @@ STREAM_COALESCE_S = 0.008
 #: end of a read: one compare per event, not a search.
 _DONE_END = b"\ndata: [DONE]\n\n"
 _DONE_LEN = len(_DONE_END)
+
+#: Bytes of the read before the last one kept to find a ``timings`` object
+#: that two reads split (the object is about 350 bytes).
+TIMINGS_SPAN = 4096
+
+#: Told ``(cache_n, prompt_n)`` of an answer's ``timings`` (rolemesh.prompt_cache).
+TimingsCallback = Callable[[int, int], None]
 
 #: The headers of every request to a child (never changed: shared).
 _REQUEST_HEADERS = Headers({b"content-type": [b"application/json"], b"accept": [b"*/*"]})
@@ -155,6 +163,16 @@ def openai_error(body: bytes, status: int) -> Optional[bytes]:
     return json.dumps(payload).encode("utf-8")
 
 
+def tell_timings(timings: TimingsCallback, found: Optional[Tuple[int, int]]) -> None:
+    """Tell ``timings`` the figures ``found`` (:func:`prompt_timings`), if
+    any; a bug in it is logged, never the relay's (or the request's) end."""
+    if found is not None:
+        try:
+            timings(*found)
+        except Exception:
+            log.failure("counting an answer's prompt tokens failed")
+
+
 def sse_error_event(message: str) -> bytes:
     """The event that ends a stream whose upstream died after it began."""
     body = {"error": {"message": message, "type": "server_error", "code": "upstream_error"}}
@@ -167,14 +185,22 @@ class _Relay(Protocol):
 
     ``watch_done`` (an event stream): ``answered`` turns True once the
     stream's ``data: [DONE]`` was written to the client -- the client has its
-    whole answer then, whatever happens to the connections after it."""
+    whole answer then, whatever happens to the connections after it.
+
+    ``timings``: told the answer's prompt-token figures, once, from its
+    ``timings`` (:func:`rolemesh.prompt_cache.prompt_timings` over its last
+    two reads): a stream's when its ``[DONE]`` is in, else at the body's end."""
 
     def __init__(self, request: ProxiedRequest, ended: Callable[[bool], None], on_data: Callable[[], None],
-                 watch_done: bool = False, error_status: Optional[int] = None) -> None:
+                 watch_done: bool = False, error_status: Optional[int] = None,
+                 timings: Optional[TimingsCallback] = None) -> None:
         self._request = request
         self._ended = ended
         self._on_data = on_data
         self.answered = False
+        self._timings = timings
+        #: The last read and the one before it (where the timings are).
+        self._last = self._before = b""
         #: An error answer (``error_status``) is held, up to MAX_ERROR_BODY,
         #: and written in OpenAI's shape at its end; None: relayed as it comes.
         self._error_status = error_status
@@ -198,13 +224,27 @@ class _Relay(Protocol):
             self._held = None  # too long for an error object: relayed as it came
             data = b"".join(held)
         self._request.write(data)
+        self._before, self._last = self._last, data
         tail = self._tail
         if tail is not None:
             end = data[-_DONE_LEN:] if len(data) >= _DONE_LEN else (tail + data)[-_DONE_LEN:]
             if end == _DONE_END:
                 self.answered, self._tail = True, None
+                if self._timings is not None:
+                    self._found_timings()
             else:
                 self._tail = end
+
+    def _found_timings(self) -> None:
+        """Tell ``timings`` what the last reads say (once; nothing if they have none)."""
+        timings, self._timings = self._timings, None
+        assert timings is not None
+        last, before = self._last, self._before
+        self._last = self._before = b""
+        found = prompt_timings(last)
+        if found is None and before:  # split by a read (rare), or in the read before [DONE]
+            found = prompt_timings(before[-TIMINGS_SPAN:] + last)
+        tell_timings(timings, found)
 
     def abort(self) -> None:
         """Close the upstream connection (the client went away, or a deadline passed)."""
@@ -217,6 +257,8 @@ class _Relay(Protocol):
         except Exception:
             pass
         whole = isinstance(reason.value, (ResponseDone, PotentialDataLoss))  # Failure.check, cheaper
+        if self._timings is not None:
+            self._found_timings()
         held, self._held = self._held, None
         if held:
             body = b"".join(held)
@@ -237,7 +279,8 @@ class Forward:
 
     def __init__(self, proxy: "Proxy", request: ProxiedRequest, url: bytes, body: bytes, streaming: bool,
                  timeout: Optional[float], idle_timeout: Optional[float],
-                 on_first_byte: Optional[Callable[[], None]], ended: Callable[[Union[str, Failure]], None]) -> None:
+                 on_first_byte: Optional[Callable[[], None]], ended: Callable[[Union[str, Failure]], None],
+                 on_timings: Optional[TimingsCallback] = None) -> None:
         self.proxy = proxy
         self.request = request
         self.url = url
@@ -246,6 +289,8 @@ class Forward:
         self.timeout = timeout
         self.idle_timeout = idle_timeout
         self.on_first_byte = on_first_byte
+        #: Told the prompt-token figures of a 2xx answer's ``timings``, if it has them.
+        self.on_timings = on_timings
         #: Told how it ended, once: an outcome (COMPLETE, ...) or a Failure.
         self._ended = ended
         self.done = False
@@ -379,7 +424,10 @@ class Forward:
         whole = getattr(response, "whole_body", None)  # ChildAgent's answers have it; others deliver
         body = whole() if whole is not None else None
         error_status = response.code if response.code >= 400 and not self.event_stream else None
+        timings = self.on_timings if 200 <= response.code < 300 else None
         if body is not None:
+            if timings is not None:
+                tell_timings(timings, prompt_timings(body))
             if error_status is not None:
                 shaped = openai_error(body, error_status)
                 if shaped is not None:
@@ -393,7 +441,7 @@ class Forward:
         if error_status is not None:
             request.responseHeaders.removeHeader(b"content-length")  # its length may change
         self.relay = _Relay(request, self._body_ended, self._on_data, watch_done=self.event_stream,
-                            error_status=error_status)
+                            error_status=error_status, timings=timings)
         response.deliverBody(self.relay)
         if self.idle_timeout is not None and not self.body_ended:
             # Not for an answer that came whole with its head (most non-streamed ones).
@@ -502,6 +550,7 @@ class Proxy(UsesReactor[IHTTPClientReactor]):
         timeout: Optional[float] = None,
         on_first_byte: Optional[Callable[[], None]] = None,
         idle_timeout: Optional[float] = None,
+        on_timings: Optional[TimingsCallback] = None,
     ) -> "Deferred[str]":
         """Relay ``body`` to ``base_url + path`` and the answer to ``request``.
 
@@ -512,11 +561,14 @@ class Proxy(UsesReactor[IHTTPClientReactor]):
         for ``idle_timeout``: ended as either of the previous two, and the
         child deserves a probe).  Errbacks with an ApiError (502/504) when
         nothing was sent to the client yet.  Cancelling it closes the
-        upstream connection.
+        upstream connection.  ``on_timings`` is told ``(cache_n, prompt_n)``
+        of a 2xx answer's ``timings`` (where llama-server reports them),
+        before the outcome.
         """
         result: "Deferred[str]" = Deferred(lambda _: exchange.cancel())
         exchange = self.start(request, base_url, path, body, streaming, timeout, on_first_byte, idle_timeout,
-                              ended=lambda outcome: result.callback(outcome))  # a Failure errbacks
+                              ended=lambda outcome: result.callback(outcome),  # a Failure errbacks
+                              on_timings=on_timings)
         return result
 
     def start(
@@ -530,13 +582,15 @@ class Proxy(UsesReactor[IHTTPClientReactor]):
         on_first_byte: Optional[Callable[[], None]],
         idle_timeout: Optional[float],
         ended: Callable[[Union[str, Failure]], None],
+        on_timings: Optional[TimingsCallback] = None,
     ) -> "Forward":
         """:meth:`forward` without its Deferred (the request path's own,
         which runs for every request): ``ended`` is told the outcome or the
         Failure once, maybe before this returns; ``cancel()`` the returned
         exchange when the client goes away."""
         url = (base_url + path).encode("ascii")
-        return Forward(self, request, url, body, streaming, timeout, idle_timeout, on_first_byte, ended).start()
+        return Forward(self, request, url, body, streaming, timeout, idle_timeout, on_first_byte, ended,
+                       on_timings).start()
 
     @staticmethod
     def _client_gone(request: ProxiedRequest) -> bool:

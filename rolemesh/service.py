@@ -652,7 +652,8 @@ def _dispatcher(config: NodeConfig, node: Node, registration: Callable[[], dict]
 
     def heartbeat() -> dict:
         return heartbeat_payload(config.node_id, next(seq), node.reactor.seconds(), node.device_states(),
-                                 node.cache_hit_rates())
+                                 node.cache_hit_rates(),
+                                 node.prompt_cache.hit_rates(m.model_id for m in node.config.models))
 
     assert config.dispatcher_base_url is not None
     return DispatcherClient(

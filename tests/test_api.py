@@ -240,6 +240,31 @@ class ProxiedRequestTests(ApiTestCase):
         self.assertEqual([o["status"] for o in self.h._observed], [200, 200])
         self.assertEqual(self.h.reactor.getDelayedCalls(), [], "no timer left behind")
 
+    def test_prompt_tokens_are_counted_from_the_answers_timings(self) -> None:
+        """llama-server's ``timings`` of each answer, per device and model;
+        not for embeddings (they have none), and the bodies unchanged."""
+        self.loaded("a")
+        whole = b'{"object":"chat.completion","timings":{"cache_n":0,"prompt_n":9,"prompt_ms":2.5}}'
+        last = b'data: {"choices":[],"timings":{"cache_n":21,"prompt_n":5,"prompt_ms":1.0}}\n\n'
+
+        def answer(attempt: Attempt) -> FakeResponse:
+            streaming = json.loads(attempt.body).get("stream") is True
+            response = FakeResponse(headers={b"content-type": [b"text/event-stream" if streaming
+                                                               else b"application/json"]})
+            response.autoplay = [last, b"data: [DONE]\n\n"] if streaming else [whole]
+            return response
+
+        self.h.agent.auto = answer
+        self.assertEqual(self.h.chat({"model": "a", **CHAT}).body, whole)
+        self.assertEqual(self.h.node.prompt_cache.get("gpu:0", "a"), (0, 9))
+        streamed = self.h.call("POST", "/v1/completions", {"model": "a", "prompt": "p", "stream": True})
+        self.assertEqual(streamed.body, last + b"data: [DONE]\n\n")
+        self.assertEqual(self.h.node.prompt_cache.get("gpu:0", "a"), (21, 14))
+        self.assertEqual(self.h.call("POST", "/v1/embeddings", {"model": "a", "input": "x"}).code, 200)
+        self.assertEqual(self.h.node.prompt_cache.get("gpu:0", "a"), (21, 14), "embeddings: not read")
+        self.assertEqual(self.h.node.inventory()["devices"][0]["prompt_tokens"],
+                         {"a": {"cached": 21, "processed": 14, "hit_rate": 0.6}})
+
     def test_streaming_headers_reach_the_client(self) -> None:
         self.loaded("a")
 
@@ -333,6 +358,15 @@ class RareEndTests(ApiTestCase):
         self.assertEqual(h.finish(pending).code, 200)
         self.assertTrue(h.node_h.idle())
         self.assertEqual(h.observed[-1]["status"], 200)
+
+    def test_the_retried_answers_prompt_tokens_are_counted(self) -> None:
+        h = ApiHarness(auto=False)
+        pending = self.refused(h)
+        response = FakeResponse()
+        response.autoplay = [b'{"timings":{"cache_n":2,"prompt_n":7}}']
+        h.agent.last.respond(response)
+        self.assertEqual(h.finish(pending).code, 200)
+        self.assertEqual(h.node.prompt_cache.get("gpu:0", "a"), (2, 7))
 
     def test_a_client_leaving_during_the_retry_closes_it(self) -> None:
         h = ApiHarness(auto=False)

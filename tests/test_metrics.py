@@ -440,6 +440,26 @@ class NodeEventTests(SynchronousTestCase):
         self.assertEqual({s.value for s in found}, {0})
 
 
+class PromptTokenTests(SynchronousTestCase):
+    def test_the_nodes_tally_per_device_and_model(self) -> None:
+        h = Harness(count=2)
+        h.node.prompt_cache.add("gpu:1", "a", 21, 5)
+        h.node.prompt_cache.add("gpu:1", "a", 4, 5)
+        families = h.scrape()
+        self.assertEqual(value(families, "rolemesh_prompt_tokens_cached_total", device="gpu:1", model="a"), 25)
+        self.assertEqual(value(families, "rolemesh_prompt_tokens_processed_total", device="gpu:1", model="a"), 10)
+        self.assertEqual(value(families, "rolemesh_prompt_tokens_cached_total", device="gpu:0", model="a"), 0)
+        self.assertEqual(families["rolemesh_prompt_tokens_cached"].type, "counter")
+
+    def test_a_model_a_reload_removed_keeps_its_series(self) -> None:
+        h = Harness(count=1)
+        h.node.prompt_cache.add("gpu:0", "b", 1, 2)
+        h.node.reconfigure(make_config([{"model_id": "a"}], max_pending_requests_per_device=2))
+        families = h.scrape()
+        self.assertEqual(value(families, "rolemesh_prompt_tokens_processed_total", device="gpu:0", model="b"), 2,
+                         "a counter never goes back")
+
+
 class PreCreatedCounterTests(SynchronousTestCase):
     """docs/operations.md: the per-model and per-(device, model) counters
     exist at 0 for every configured pair from the start."""

@@ -842,3 +842,118 @@ class AnsweredTests(ProxyTestCase):
         response.send(b'{"x": "\ndata: [DONE]"')
         d.cancel()
         self.assertClientGone(d)
+
+
+class TimingsTests(ProxyTestCase):
+    """``on_timings``: the prompt-token figures of a 2xx answer's ``timings``,
+    told once, before the outcome; the body is relayed unchanged."""
+
+    BODY = b'{"choices":[{"text":"hi"}],"timings":{"cache_n":4,"prompt_n":5,"prompt_ms":1.5}}'
+    LAST = (b'data: {"choices":[{"finish_reason":"length","delta":{}}],'
+            b'"timings":{"cache_n":21,"prompt_n":5,"prompt_ms":138.1}}\n\n')
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.told: List[Any] = []
+
+    def start(self, streaming: bool = False) -> Deferred:
+        d = self.proxy.forward(self.request, BASE, "/v1/chat/completions", b"{}", streaming,
+                               on_timings=lambda cached, processed: self.told.append((cached, processed)))
+        d.addCallback(lambda outcome: self.told.append(outcome) or outcome)
+        return d
+
+    def test_a_body_in_one_read(self) -> None:
+        d = self.start()
+        response = self.agent.last.respond(FakeResponse())
+        response.send(self.BODY)
+        response.finish()
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertEqual(self.told, [(4, 5), COMPLETE], "once, before the outcome")
+        self.assertEqual(self.request.body, self.BODY)
+
+    def test_timings_split_between_two_reads(self) -> None:
+        for cut in (len(self.BODY) - 30, len(self.BODY) - 60, self.BODY.index(b'"timings"') + 3):
+            self.told, self.request = [], DownstreamRequest()
+            self.start()
+            response = self.agent.last.respond(FakeResponse())
+            response.send(self.BODY[:cut])
+            response.send(self.BODY[cut:])
+            response.finish()
+            self.assertEqual(self.told, [(4, 5), COMPLETE], cut)
+            self.assertEqual(self.request.body, self.BODY)
+
+    def test_an_answer_that_came_whole(self) -> None:
+        body = self.BODY
+
+        class Whole(FakeResponse):
+            def whole_body(self) -> bytes:
+                return body
+
+        d = self.start()
+        self.agent.last.respond(Whole())
+        self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertEqual(self.told, [(4, 5), COMPLETE])
+
+    def test_a_stream_is_read_when_its_done_is_in(self) -> None:
+        d = self.start(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        response.send(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n')
+        response.send(self.LAST)
+        self.assertEqual(self.told, [])
+        response.send(b"data: [DONE]\n\n")
+        self.assertEqual(self.told, [(21, 5)], "at [DONE]: before the openai SDK closes")
+        d.cancel()  # the SDK closes right after [DONE]
+        self.assertEqual(self.told, [(21, 5), COMPLETE])
+        self.assertEqual(self.request.body, b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n' + self.LAST
+                         + b"data: [DONE]\n\n")
+
+    def test_a_stream_whose_last_event_and_done_come_together(self) -> None:
+        self.start(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        response.send(self.LAST + b"data: [DONE]\n\n")
+        response.finish()
+        self.assertEqual(self.told, [(21, 5), COMPLETE])
+
+    def test_a_stream_cut_after_its_last_event_still_counts(self) -> None:
+        d = self.start(streaming=True)
+        response = self.agent.last.respond(self.event_stream())
+        response.send(self.LAST)
+        response.cut()
+        self.assertEqual(self.successResultOf(d), STREAM_ERROR)
+        self.assertEqual(self.told, [(21, 5), STREAM_ERROR])
+
+    def test_nothing_without_timings(self) -> None:
+        self.start()
+        response = self.agent.last.respond(FakeResponse())
+        response.send(b'{"object":"list","data":[]}')
+        response.finish()
+        self.assertEqual(self.told, [COMPLETE])
+
+    def test_an_error_answer_is_not_read(self) -> None:
+        self.start()
+        response = self.agent.last.respond(FakeResponse(code=500, phrase=b"Internal Server Error"))
+        response.send(b'{"error":{"code":500,"message":"x","type":"server_error"},"timings":{"prompt_n":1}}')
+        response.finish()
+        self.assertEqual(self.told, [COMPLETE])
+
+    def test_without_a_callback_nothing_is_scanned(self) -> None:
+        scanned: List[bytes] = []
+        self.patch(proxy_module, "prompt_timings", lambda data: scanned.append(data))
+        d = self.proxy.forward(self.request, BASE, "/v1/chat/completions", b"{}", False)
+        response = self.agent.last.respond(FakeResponse())
+        response.send(self.BODY)
+        response.finish()
+        self.assertEqual((self.successResultOf(d), scanned), (COMPLETE, []))
+
+    def test_a_bug_in_the_callback_is_logged_and_the_answer_still_ends(self) -> None:
+        def broken(cached: int, processed: int) -> None:
+            raise RuntimeError("bug")
+
+        for streaming in (False, True):
+            self.request = DownstreamRequest()
+            d = self.proxy.forward(self.request, BASE, "/v1/chat/completions", b"{}", streaming, on_timings=broken)
+            response = self.agent.last.respond(self.event_stream() if streaming else FakeResponse())
+            response.send(self.LAST + b"data: [DONE]\n\n" if streaming else self.BODY)
+            response.finish()
+            self.assertEqual(self.successResultOf(d), COMPLETE)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 2)
