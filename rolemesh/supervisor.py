@@ -46,11 +46,12 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from rolemesh import chat_templates, child_failures, child_views, diagnosis, errors
+from rolemesh import child_failures, child_views, diagnosis, errors
 from rolemesh.backends.groups import group_name
 from rolemesh.backoff import load_retry_delay, restart_delay
-from rolemesh.child_attempt import ChildAttempt
+from rolemesh.child_attempt import ChildAttempt, start_command
 from rolemesh.child_failures import ERROR_TAIL_LINES
+from rolemesh.child_health import ChildHealth
 from rolemesh.child_probes import (
     INFERENCE_PROBE_TIMEOUT_S,
     ChildProbes,
@@ -65,10 +66,8 @@ from rolemesh.child_process import (
     ChildProcess,
     Launcher,
     OutputRing,
-    announces_ready,
     exit_of,
     pick_free_port,
-    to_log,
     wrap_argv,
 )
 from rolemesh.child_views import ChildEndpoint, EndpointCache
@@ -184,6 +183,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self.launcher = Launcher(binary, backend, self.members, pick_port, environ, wrap, signal_group)
         self.probes = ChildProbes(lambda: self.reactor, probe, inference)
         self.policy = RestartPolicy()
+        self.health = ChildHealth(self.name, self.probes, self.policy, self._still_serving, self._replace)
         self.output = OutputRing()
         #: Every state change and counted event (see CHILD_STATE, COUNTED_EVENTS).
         self.events = Events()
@@ -210,7 +210,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self.last_error_at: Optional[float] = None
 
         #: The current (or last) spawn: its process, pid file, load watch, times.
-        self._attempt = ChildAttempt(self.name, self._pidfiles)
+        self._attempt = ChildAttempt(self.name, None, self.output, self._child_ended, self._pidfiles)
         self._target: Optional[ModelConfig] = None
         self._closing = False
         self._endpoints = EndpointCache()
@@ -357,26 +357,10 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         ``generation``: the child the request went to; if that child is
         already gone (replaced meanwhile), nothing is probed or stopped.
         """
-        endpoint = self.endpoint
-        if endpoint is None or self.model is None:
+        endpoint, model = self.endpoint, self.model
+        if endpoint is None or model is None or (generation is not None and generation != self.generation):
             return defer.succeed(False)
-        if generation is not None and generation != self.generation:
-            return defer.succeed(False)
-        generation, model_id = self.generation, self.model.model_id
-        d = self.probes.readiness(endpoint.base_url, self.model.served_name)
-        return d.addErrback(lambda _: False).addCallback(
-            lambda ok: self._health_judged(ok is True, generation, model_id, after))
-
-    @_transition
-    def _health_judged(self, ok: bool, generation: int, model_id: str, after: str) -> bool:
-        if ok or self.generation != generation or self.state != READY:
-            return False
-        log.warn("llama-server on {device} failed a health probe after {after}; restarting",
-                 device=self.name, after=after)
-        self._count("restart")
-        self._note_error("unhealthy", child_failures.unhealthy(model_id, after, self.name))
-        self._stop_child(f"unhealthy after {after}", healthy=False)
-        return True
+        return self.health.after_failure(endpoint, model, self.generation, after)
 
     def check_inference(self) -> "Deferred[bool]":
         """Ask the ready child for a 1-token answer (the opt-in
@@ -385,27 +369,18 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         endpoint, model = self.endpoint, self.model
         if endpoint is None or model is None:
             return defer.succeed(False)
-        generation = self.generation
-        d = self.probes.inference(endpoint.base_url, model)
-        return d.addErrback(lambda _: False).addCallback(
-            lambda ok: self._inference_judged(ok is True, generation, model))
+        return self.health.inference(endpoint, model, self.generation)
+
+    def _still_serving(self, generation: int) -> bool:
+        return generation == self.generation and self.state == READY
 
     @_transition
-    def _inference_judged(self, ok: bool, generation: int, model: ModelConfig) -> bool:
-        if generation != self.generation or self.state != READY:
-            return False
-        if ok:
-            self.policy.inference_failures = 0
-            return True
-        replace = self.policy.inference_failed()
-        log.warn("llama-server for {model} on {device} failed an inference probe ({count} of {limit} in a row)",
-                 model=model.model_id, device=self.name, count=self.policy.inference_failures,
-                 limit=INFERENCE_PROBE_FAILURES)
-        if replace:
-            self._count("restart")
-            self._note_error("inference_probe_failed", child_failures.inference_probe_failed(model.model_id, self.name))
-            self._stop_child("failed its inference probes", healthy=False)
-        return False
+    def _replace(self, code: str, message: str, why: str) -> bool:
+        """Replace the ready child that failed its probes (ChildHealth's verdict)."""
+        self._count("restart")
+        self._note_error(code, message)
+        self._stop_child(why, healthy=False)
+        return True
 
     def startService(self) -> None:
         super().startService()
@@ -430,22 +405,16 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         model = self.model
         assert model is not None
         self.port = self.launcher.pick_port()
-        argv, env, wrapped = self.launcher.command(model, self.port, model.model_id in self.policy.safe_mode)
+        argv, env, wrapped = start_command(self.launcher, model, self.port, model.model_id in self.policy.safe_mode,
+                                           self.output, self.name)
         self.policy.inference_failures = 0
-        self.output.append(f"[rolemesh] starting {model.model_id} on {self.name}: {' '.join(argv)}")
-        self.output.new_attempt()
-        log.info("starting llama-server for {model} on {device} (port {port})",
-                 model=model.model_id, device=self.name, port=self.port)
-        template = chat_templates.describe_model(model)
-        if template["warning"]:
-            log.warn("{model}: {warning}", model=model.model_id, warning=template["warning"], device=self.name)
-        attempt = self._attempt = ChildAttempt(self.name, self._pidfiles, self.reactor.seconds())
+        attempt = self._attempt = ChildAttempt(self.name, model.model_id, self.output, self._child_ended,
+                                               self._pidfiles, self.reactor.seconds())
         self._set_state(STARTING)
-        child = ChildProcess(self, self.reactor, self.name, self.launcher.signal_group)
+        child = ChildProcess(attempt, self.reactor, self.name, self.launcher.signal_group)
         try:
             attempt.spawn(self.reactor, self.launcher, child, wrapped, env, argv, self.oom_counter)
         except Exception as e:  # e.g. the interpreter vanished: fail, don't wedge
-            attempt.child = None
             message = f"cannot start llama-server on {self.name}: {e}"
             self._record_failure(History.LOAD, Schedule.RESTART, "model_load_failed", message)
             self._count("load_failure")
@@ -480,23 +449,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self._stop_child("load timed out", kill_now=True, reason=FAILED, healthy=False)
         self.waiters.fail(errors.model_load_timeout(message, retry_after=retry_after_seconds(backoff.delay)))
 
-    # -- output and exit (the ChildSink of the current child) -----------------------
-
-    def child_progressed(self, child: ChildProcess) -> None:
-        if self._attempt.watching(child):
-            self._attempt.watch.progressed()  # type: ignore[union-attr]
-
-    def child_output(self, child: ChildProcess, fd: int, chunk: bytes) -> None:
-        # Every line goes to the ring buffer (the logs endpoint, error tails),
-        # as the read came: decoded when someone reads it.
-        self.output.add_chunk(chunk)
-        logged = to_log(chunk, serving=self.state == READY)
-        if logged:
-            model = self.model.model_id if self.model else None
-            for line in logged:
-                log.info("{device} {model}: {line}", device=self.name, model=model, line=line, stream=fd)
-        if self._attempt.watching(child) and announces_ready(chunk):
-            self._attempt.watch.poke()  # type: ignore[union-attr]
+    # -- the end of a child (told by its ChildAttempt) --------------------------------
 
     def _record_failure(self, history: History, schedule: Schedule, code: str, message: str) -> BackOff:
         """Count a failure of the current model in a row of ``history``; log
@@ -508,17 +461,17 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         return backoff
 
     @_transition
-    def child_ended(self, child: Optional[ChildProcess], reason: Failure) -> None:
-        if child is not self._attempt.child:
-            return
+    def _child_ended(self, attempt: ChildAttempt, child: Optional[ChildProcess], reason: Failure) -> None:
+        if attempt is not self._attempt or child is not attempt.child:
+            return  # not the current child: nothing it says changes the device
         was = self.state
-        exit = self._attempt.ended(reason)
-        attempt = self.output.attempt()
+        exit = attempt.ended(reason)
+        lines = self.output.attempt()
         self.output.append(f"[rolemesh] llama-server {exit.how}")
         if was == STOPPING or (child is not None and child.asked_to_stop):
             self._ended_as_asked(exit)  # the end we asked for, whatever its exit status
         elif was == STARTING:
-            if not self._ended_while_starting(exit, attempt):
+            if not self._ended_while_starting(exit, lines):
                 return  # retried at once
         else:  # READY
             self._ended_while_ready(exit)
@@ -598,7 +551,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self._set_state(STOPPING)
         child = self._attempt.child
         if child is None:  # never spawned: nothing to reap
-            self.child_ended(None, Failure(ProcessLookupError("not running")))
+            self._child_ended(self._attempt, None, Failure(ProcessLookupError("not running")))
             return
         log.info("stopping llama-server on {device}: {why}", device=self.name, why=why)
         child.stop_holding()
