@@ -83,16 +83,18 @@ class ChildAttempt:
         self._oom: Callable[[], Optional[int]] = lambda: None
         self._oom_before: Optional[int] = None
 
-    def spawn(self, reactor: IAgentReactor, launcher: Launcher, child: ChildProcess, wrapped: Sequence[str],
-              env: Mapping[str, str], argv: List[str], oom_counter: OOMCounter) -> None:
-        """Start ``child`` (raises if it cannot be); note its OOM-kill count
-        and write its pid file."""
+    def spawn(self, reactor: IAgentReactor, launcher: Launcher, wrapped: Sequence[str], env: Mapping[str, str],
+              argv: List[str], oom_counter: OOMCounter) -> ChildProcess:
+        """Start the child, this attempt its sink (raises if it cannot be);
+        note its OOM-kill count and write its pid file."""
+        child = ChildProcess(self, reactor, self.name, launcher.signal_group)
         launcher.spawn(reactor, child, wrapped, env)
         self.child = child
         self._oom = oom_counter(child.pid)
         self._oom_before = self._oom()
         if self._pidfiles is not None and child.pid is not None:
             self._pidfiles.write(self.name, child.pid, argv)
+        return child
 
     def watch_load(self, reactor: IAgentReactor, config: NodeConfig, probe: Callable[[], "Deferred[bool]"],
                    on_ready: Callable[[], None], on_timeout: Callable[[str], None]) -> None:
@@ -125,6 +127,20 @@ class ChildAttempt:
         self.serving = False
         self.stop_reason = reason
         self.stop_healthy = healthy
+
+    def stop(self, why: str, kill_now: bool, grace: float) -> bool:
+        """Signal the child to stop: SIGKILL now, or SIGTERM (repeated) and
+        SIGKILL after ``grace`` seconds.  False if there is no child to stop."""
+        child = self.child
+        if child is None:
+            return False
+        log.info("stopping llama-server on {device}: {why}", device=self.name, why=why)
+        child.stop_holding()
+        if kill_now:
+            child.kill()
+        else:
+            child.terminate(grace)
+        return True
 
     def ended(self, reason: Failure) -> diagnosis.Exit:
         """The child ended (or was never spawned): forget it, remove its pid

@@ -3,30 +3,53 @@ the back-off's log line.
 
 Pure functions of what happened (the model, the exit, the last lines of the
 child's output, the back-off the policy set), so the wording and the codes
-a dispatcher acts on are checked without a process or a clock.  Their log
-lines keep the supervisor's namespace (``rolemesh.supervisor``), as before
-they moved here.
+a dispatcher acts on are checked without a process or a clock.  A failure
+that counts against a model is an :class:`Account`: its code and message,
+the run of failures it extends and the back-off schedule it follows, and the
+events it is counted as.  The log lines keep the supervisor's namespace
+(``rolemesh.supervisor``), as before they moved here.
 """
 
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
+import attr
 from twisted.logger import Logger
 
 from rolemesh import diagnosis, errors
 from rolemesh.config import ModelConfig
-from rolemesh.restart_policy import INFERENCE_PROBE_FAILURES, BackOff, retry_after_seconds
+from rolemesh.restart_policy import (
+    INFERENCE_PROBE_FAILURES,
+    BackOff,
+    History,
+    Schedule,
+    killed_from_outside,
+    retry_after_seconds,
+)
 
 __all__ = [
-    "ERROR_TAIL_LINES", "crash", "inference_probe_failed", "log_backoff", "refusal", "superseded",
-    "timed_out", "unhealthy",
+    "ERROR_TAIL_LINES", "Account", "crash", "inference_probe_failed", "load_ended", "log_backoff", "refusal",
+    "spawn_failed", "superseded", "timed_out", "unhealthy",
 ]
 
 log = Logger(namespace="rolemesh.supervisor")
 
 #: Lines of log tail put into a crash message.
 ERROR_TAIL_LINES = 12
+
+
+@attr.s(auto_attribs=True, frozen=True)
+class Account:
+    """A failure of a model on a device, as the supervisor records it."""
+
+    code: str
+    message: str
+    #: The run of failures in a row it extends, and the back-off it follows.
+    history: History
+    schedule: Schedule
+    #: The counted events it is (COUNTED_EVENTS of rolemesh.supervisor).
+    events: Tuple[str, ...]
 
 
 def refusal(model_id: str, device: str, backoff: Optional[BackOff], now: float) -> Optional[errors.ApiError]:
@@ -44,21 +67,39 @@ def refusal(model_id: str, device: str, backoff: Optional[BackOff], now: float) 
     )
 
 
-def timed_out(model: ModelConfig, what: str, device: str, attempt: List[str]) -> str:
-    """The message of a load that ``what`` (never became ready, stalled),
-    with the decisive line of the attempt's output if there is one."""
+def spawn_failed(device: str, error: Exception) -> Account:
+    """A child that could not even be spawned (e.g. the interpreter vanished)."""
+    return Account("model_load_failed", f"cannot start llama-server on {device}: {error}", History.LOAD,
+                   Schedule.RESTART, ("load_failure",))
+
+
+def load_ended(model: ModelConfig, device: str, exit: diagnosis.Exit, attempt: List[str]) -> Account:
+    """A load whose child ended on its own before it was ready; ``attempt``:
+    the attempt's output."""
+    message = diagnosis.load_failure(model.model_id, device, exit, attempt, model.path)
+    # Killed from outside (a person, the OOM killer): the first retry is
+    # free; a load that ended on its own repeats until someone acts.
+    schedule = Schedule.RESTART if killed_from_outside(exit) else Schedule.LOAD
+    return Account(exit.error_code("model_load_failed"), message, History.LOAD, schedule, ("load_failure",))
+
+
+def timed_out(model: ModelConfig, what: str, device: str, attempt: List[str]) -> Account:
+    """A load that ``what`` (never became ready, stalled), its message with
+    the decisive line of the attempt's output if there is one."""
     line = diagnosis.decisive_line(attempt, model.path, model.model_id)
-    return diagnosis.shorten(f"model {model.model_id!r} {what} on {device}" + (f"; last error: {line}" if line else ""))
+    message = diagnosis.shorten(f"model {model.model_id!r} {what} on {device}"
+                                + (f"; last error: {line}" if line else ""))
+    return Account("model_load_timeout", message, History.LOAD, Schedule.LOAD, ("load_timeout",))
 
 
-def crash(model: ModelConfig, exit: diagnosis.Exit, tail: List[str]) -> Tuple[str, str]:
-    """The code and message of a ready child that ended on its own; ``tail``:
-    the last lines of its output (ERROR_TAIL_LINES)."""
+def crash(model: ModelConfig, exit: diagnosis.Exit, tail: List[str]) -> Account:
+    """A ready child that ended on its own; ``tail``: the last lines of its
+    output (ERROR_TAIL_LINES).  It counts as a crash and a restart."""
     meaning = f" ({exit.meaning})" if exit.meaning else ""
     line = diagnosis.decisive_line(tail, model.path, model.model_id)
     message = diagnosis.shorten(f"llama-server for {model.model_id!r} {exit.how} unexpectedly{meaning}"
                                 + (f": {line}" if line else ""))
-    return exit.error_code("child_crashed"), message
+    return Account(exit.error_code("child_crashed"), message, History.CRASH, Schedule.RESTART, ("crash", "restart"))
 
 
 def superseded(model_id: str, device: str) -> errors.ApiError:

@@ -83,10 +83,7 @@ from rolemesh.restart_policy import (
     INFERENCE_PROBE_FAILURES,
     STABLE_AFTER_S,
     BackOff,
-    History,
     RestartPolicy,
-    Schedule,
-    killed_from_outside,
     retry_after_seconds,
 )
 
@@ -149,6 +146,13 @@ class StateChange:
 
 class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
     """Owns one device's llama-server child: spawn, readiness, switch, stop."""
+
+    # Near 400 lines, over the ~350 bar, for a reason: this class is the state
+    # machine of docs/architecture.md and nothing else -- every transition (a
+    # verb, a ChildAttempt's report of its child's end, a LoadWatch's or a
+    # ChildHealth's verdict) is one method here, so its rules read in one
+    # place; the mechanism (ChildAttempt, Launcher, LoadWatch), the waiters,
+    # the failure wording, the on-demand probes and the views are its parts.
 
     name: str  # the device name; never None here
     #: Finds the reader of a child's cgroup OOM-kill count (tests replace it).
@@ -411,14 +415,11 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         attempt = self._attempt = ChildAttempt(self.name, model.model_id, self.output, self._child_ended,
                                                self._pidfiles, self.reactor.seconds())
         self._set_state(STARTING)
-        child = ChildProcess(attempt, self.reactor, self.name, self.launcher.signal_group)
         try:
-            attempt.spawn(self.reactor, self.launcher, child, wrapped, env, argv, self.oom_counter)
+            child = attempt.spawn(self.reactor, self.launcher, wrapped, env, argv, self.oom_counter)
         except Exception as e:  # e.g. the interpreter vanished: fail, don't wedge
-            message = f"cannot start llama-server on {self.name}: {e}"
-            self._record_failure(History.LOAD, Schedule.RESTART, "model_load_failed", message)
-            self._count("load_failure")
-            self._load_failed(errors.model_load_failed(message))
+            account = self._record_failure(child_failures.spawn_failed(self.name, e))[1]
+            self._load_failed(errors.model_load_failed(account.message))
             return
         self.pid = child.pid
         served_name, base_url = model.served_name, f"http://127.0.0.1:{self.port}"
@@ -442,23 +443,24 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
     def _load_timed_out(self, what: str) -> None:
         assert self.model is not None
         self._attempt.stop_watch()
-        message = child_failures.timed_out(self.model, what, self.name, self.output.attempt())
-        backoff = self._record_failure(History.LOAD, Schedule.LOAD, "model_load_timeout", message)
-        self._count("load_timeout")
-        self._note_error("model_load_timeout", message)
+        backoff, account = self._record_failure(child_failures.timed_out(self.model, what, self.name,
+                                                                         self.output.attempt()))
+        self._note_error(account.code, account.message)
         self._stop_child("load timed out", kill_now=True, reason=FAILED, healthy=False)
-        self.waiters.fail(errors.model_load_timeout(message, retry_after=retry_after_seconds(backoff.delay)))
+        self.waiters.fail(errors.model_load_timeout(account.message, retry_after=retry_after_seconds(backoff.delay)))
 
     # -- the end of a child (told by its ChildAttempt) --------------------------------
 
-    def _record_failure(self, history: History, schedule: Schedule, code: str, message: str) -> BackOff:
-        """Count a failure of the current model in a row of ``history``; log
-        the back-off it sets, and why; return it."""
+    def _record_failure(self, account: child_failures.Account) -> Tuple[BackOff, child_failures.Account]:
+        """Count a failure of the current model (in the policy's run of its
+        history, and as its events); log the back-off it sets, and why."""
         assert self.model is not None
-        backoff = self.policy.record_failure(self.model.model_id, self.reactor.seconds(), history, schedule,
-                                             self._attempt.ready_at, code, message)
+        backoff = self.policy.record_failure(self.model.model_id, self.reactor.seconds(), account.history,
+                                             account.schedule, self._attempt.ready_at, account.code, account.message)
         child_failures.log_backoff(backoff, self.name)
-        return backoff
+        for event in account.events:
+            self._count(event)
+        return backoff, account
 
     @_transition
     def _child_ended(self, attempt: ChildAttempt, child: Optional[ChildProcess], reason: Failure) -> None:
@@ -491,25 +493,18 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         if exit.is_sigill and self._may_retry_safely(model):
             self._spawn()
             return False
-        message = diagnosis.load_failure(model.model_id, self.name, exit, attempt, model.path)
-        code = exit.error_code("model_load_failed")
-        # Killed from outside (a person, the OOM killer): the first retry is
-        # free; a load that ended on its own repeats until someone acts.
-        schedule = Schedule.RESTART if killed_from_outside(exit) else Schedule.LOAD
-        backoff = self._record_failure(History.LOAD, schedule, code, message)
-        self._count("load_failure")
-        self._load_failed(errors.model_load_failed(message, retry_after=retry_after_seconds(backoff.delay)), code)
+        backoff, account = self._record_failure(child_failures.load_ended(model, self.name, exit, attempt))
+        self._load_failed(errors.model_load_failed(account.message, retry_after=retry_after_seconds(backoff.delay)),
+                          account.code)
         return True
 
     def _ended_while_ready(self, exit: diagnosis.Exit) -> None:
         model = self.model
         assert model is not None
-        code, message = child_failures.crash(model, exit, self.output.tail(ERROR_TAIL_LINES))
-        log.error("{message}", message=message, device=self.name, model=model.model_id)
-        backoff = self._record_failure(History.CRASH, Schedule.RESTART, code, message)
-        self._count("crash")
-        self._count("restart")
-        self._note_error(code, message)
+        account = child_failures.crash(model, exit, self.output.tail(ERROR_TAIL_LINES))
+        log.error("{message}", message=account.message, device=self.name, model=model.model_id)
+        backoff = self._record_failure(account)[0]
+        self._note_error(account.code, account.message)
         self._set_state(FAILED if backoff.delay > 0 else STOPPED)
 
     def _ended_as_asked(self, exit: diagnosis.Exit) -> None:
@@ -549,13 +544,6 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
                     healthy: bool = True) -> None:
         self._attempt.stopping(reason, healthy)
         self._set_state(STOPPING)
-        child = self._attempt.child
-        if child is None:  # never spawned: nothing to reap
+        if not self._attempt.stop(why, kill_now, self._config.llama_server_stop_timeout_s):
+            # never spawned: nothing to reap
             self._child_ended(self._attempt, None, Failure(ProcessLookupError("not running")))
-            return
-        log.info("stopping llama-server on {device}: {why}", device=self.name, why=why)
-        child.stop_holding()
-        if kill_now:
-            child.kill()
-        else:
-            child.terminate(self._config.llama_server_stop_timeout_s)
