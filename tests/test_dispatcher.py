@@ -717,7 +717,7 @@ class LoggingTests(SynchronousTestCase):
         echo = Echo()
         h = Harness()
         h.stub = StubTreq(echo)
-        h.client._http = h.stub
+        h.client.exchange.http = h.stub
         with capturedLogs() as events:
             h.start()
             h.advance(10)
@@ -727,7 +727,7 @@ class LoggingTests(SynchronousTestCase):
             h.advance(70)
             echo.code = 200
             h.advance(70)
-            h.client._http = RecordingHTTP()
+            h.client.exchange.http = RecordingHTTP()
             h.advance(20)
             h.stop()
         self.assertGreater(len(events), 5)
