@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from rolemesh.config import ModelConfig, NodeConfig
+from rolemesh.device_state import DeviceState
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.llama_args import build_argv
-from rolemesh.supervisor import DeviceState
 
 #: The OpenAI-compatible endpoints the node proxies, plus SSE streaming.
 CAPABILITIES = ("chat.completions", "completions", "embeddings", "streaming")

@@ -22,8 +22,12 @@ starts it again.
 This module is the state machine only; it composes the mechanism and the
 policy, as ``twisted.runner.procmon`` keeps them apart:
 :mod:`rolemesh.child_process` (spawning, output, signals),
-:mod:`rolemesh.child_probes` (readiness and inference probes, load bounds)
-and :mod:`rolemesh.restart_policy` (back-off, safe mode).  What happens is
+:mod:`rolemesh.child_attempt` (one spawn: its process, pid file, load watch),
+:mod:`rolemesh.child_probes` (readiness and inference probes, load bounds),
+:mod:`rolemesh.restart_policy` (back-off, safe mode),
+:mod:`rolemesh.child_waiters` (who waits for a load or a stop),
+:mod:`rolemesh.child_failures` (what each failure is called and says) and
+:mod:`rolemesh.child_views` (the endpoint and snapshot shown).  What happens is
 told through :attr:`DeviceSupervisor.events` (:mod:`rolemesh.events`) once
 the transition that caused it is complete: observers -- the node, the metrics
 -- that call back into the supervisor see a settled state.
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
 
 import attr
 from twisted.application.service import Service
@@ -42,14 +46,16 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from rolemesh import chat_templates, diagnosis, errors
+from rolemesh import child_failures, child_views, diagnosis, errors
 from rolemesh.backends.groups import group_name
 from rolemesh.backoff import load_retry_delay, restart_delay
+from rolemesh.child_attempt import ChildAttempt, start_command
+from rolemesh.child_failures import ERROR_TAIL_LINES
+from rolemesh.child_health import ChildHealth
 from rolemesh.child_probes import (
     INFERENCE_PROBE_TIMEOUT_S,
     ChildProbes,
     InferenceProbe,
-    LoadWatch,
     ReadinessProbe,
     http_probe,
     inference_probe,
@@ -60,15 +66,15 @@ from rolemesh.child_process import (
     ChildProcess,
     Launcher,
     OutputRing,
-    announces_ready,
     exit_of,
     pick_free_port,
-    to_log,
     wrap_argv,
 )
+from rolemesh.child_views import ChildEndpoint, EndpointCache
+from rolemesh.child_waiters import Waiters
 from rolemesh.config import ModelConfig, NodeConfig
+from rolemesh.device_state import FAILED, READY, STARTING, STOPPED, STOPPING, DeviceState
 from rolemesh.devices import DeviceRef
-from rolemesh.enums import StrEnum
 from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.events import Events, Outbox
 from rolemesh.interfaces import IAgentReactor, IDeviceBackend
@@ -77,10 +83,7 @@ from rolemesh.restart_policy import (
     INFERENCE_PROBE_FAILURES,
     STABLE_AFTER_S,
     BackOff,
-    History,
     RestartPolicy,
-    Schedule,
-    killed_from_outside,
     retry_after_seconds,
 )
 
@@ -93,25 +96,6 @@ __all__ = [
 
 log = Logger()
 
-
-class DeviceState(StrEnum):
-    """A device's state; a ``str`` (its value) wherever it is shown or sent."""
-
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    STOPPING = "stopping"
-    FAILED = "failed"
-
-
-STOPPED = DeviceState.STOPPED
-STARTING = DeviceState.STARTING
-READY = DeviceState.READY
-STOPPING = DeviceState.STOPPING
-FAILED = DeviceState.FAILED
-
-#: Lines of log tail put into a crash message.
-ERROR_TAIL_LINES = 12
 
 #: The event of every state change: fields ``device``, ``state``,
 #: ``previous``, ``model`` (its id or None) and ``model_config``.
@@ -147,17 +131,6 @@ def _transition(method: _F) -> _F:
 
 
 @attr.s(auto_attribs=True, frozen=True)
-class ChildEndpoint:
-    """Where a ready child answers, and which child it is."""
-
-    model_id: str
-    base_url: str
-    port: int
-    pid: int
-    generation: int
-
-
-@attr.s(auto_attribs=True, frozen=True)
 class StateChange:
     """What a :meth:`DeviceSupervisor.subscribe` listener is told."""
 
@@ -173,6 +146,13 @@ class StateChange:
 
 class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
     """Owns one device's llama-server child: spawn, readiness, switch, stop."""
+
+    # Near 400 lines, over the ~350 bar, for a reason: this class is the state
+    # machine of docs/architecture.md and nothing else -- every transition (a
+    # verb, a ChildAttempt's report of its child's end, a LoadWatch's or a
+    # ChildHealth's verdict) is one method here, so its rules read in one
+    # place; the mechanism (ChildAttempt, Launcher, LoadWatch), the waiters,
+    # the failure wording, the on-demand probes and the views are its parts.
 
     name: str  # the device name; never None here
     #: Finds the reader of a child's cgroup OOM-kill count (tests replace it).
@@ -207,6 +187,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self.launcher = Launcher(binary, backend, self.members, pick_port, environ, wrap, signal_group)
         self.probes = ChildProbes(lambda: self.reactor, probe, inference)
         self.policy = RestartPolicy()
+        self.health = ChildHealth(self.name, self.probes, self.policy, self._still_serving, self._replace)
         self.output = OutputRing()
         #: Every state change and counted event (see CHILD_STATE, COUNTED_EVENTS).
         self.events = Events()
@@ -232,25 +213,15 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self.last_error_code: Optional[str] = None
         self.last_error_at: Optional[float] = None
 
-        self._child: Optional[ChildProcess] = None
-        self._watch: Optional[LoadWatch] = None
+        #: The current (or last) spawn: its process, pid file, load watch, times.
+        self._attempt = ChildAttempt(self.name, None, self.output, self._child_ended, self._pidfiles)
         self._target: Optional[ModelConfig] = None
-        self._waiters: List[Tuple[str, Deferred]] = []
-        self._stop_waiters: List[Deferred] = []
-        self._started_at = 0.0
-        self._ready_at: Optional[float] = None
-        self._stop_reason: Optional[DeviceState] = None
-        #: The stop under way is of a child that served well (a switch, an
-        #: unload, a reload), not one replaced for failing its probes.
-        self._stop_healthy = True
         self._closing = False
-        #: The last endpoint built, with what it was built from (see endpoint).
-        self._endpoint: Optional[Tuple[Tuple[str, int, int, int], ChildEndpoint]] = None
+        self._endpoints = EndpointCache()
         #: What a transition has to tell, delivered once it is complete.
         self._outbox = Outbox()
-        #: The child's cgroup OOM-kill count: its reader, and what it said at the spawn.
-        self._oom: Callable[[], Optional[int]] = lambda: None
-        self._oom_before: Optional[int] = None
+        #: The callers of ensure and stop, fired through the outbox.
+        self.waiters = Waiters(self._outbox)
 
     # -- telling others ---------------------------------------------------------
 
@@ -274,19 +245,6 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         model_id = self.model.model_id if self.model is not None else None
         self._emit(event, device=self.name, model=model_id, **fields)
 
-    def _settle(self, d: Deferred, result: Union[object, errors.ApiError]) -> None:
-        """Fire a waiter (once the transition is complete), unless it was cancelled."""
-
-        def fire() -> None:
-            if d.called:
-                return
-            if isinstance(result, errors.ApiError):
-                d.errback(result)
-            else:
-                d.callback(result)
-
-        self._outbox.later(fire)
-
     def _set_state(self, state: DeviceState) -> None:
         if state == self.state:
             return
@@ -295,7 +253,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self._emit(CHILD_STATE, device=self.name, state=state, previous=previous,
                    model=model.model_id if model is not None else None, model_config=model)
 
-    # -- reading -----------------------------------------------------------------
+    # -- reading (see rolemesh.child_views) ----------------------------------------
 
     @property
     def logs(self) -> List[str]:
@@ -306,32 +264,18 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
     def endpoint(self) -> Optional[ChildEndpoint]:
         if self.state != READY or self.model is None or self.port is None:
             return None
-        key = (self.model.model_id, self.port, self.pid or 0, self.generation)
-        cached = self._endpoint
-        if cached is None or cached[0] != key:  # asked for every request: built once per child
-            endpoint = ChildEndpoint(key[0], f"http://127.0.0.1:{self.port}", self.port, key[2], self.generation)
-            cached = self._endpoint = (key, endpoint)
-        return cached[1]
+        return self._endpoints.get(self.model.model_id, self.port, self.pid, self.generation)
 
     @property
     def loading_or_loaded(self) -> Optional[str]:
         """The model id the device has (or is getting), else None."""
-        if self.state in (STARTING, READY) and self.model is not None:
-            return self.model.model_id
-        if self.state == STOPPING and self._target is not None:
-            return self._target.model_id
-        return None
+        target = self._target
+        return child_views.loading_or_loaded(self.state, self.model.model_id if self.model is not None else None,
+                                             target.model_id if target is not None else None)
 
     def snapshot(self) -> Dict[str, Any]:
-        alive = self.state in (STARTING, READY, STOPPING)
-        return {
-            "state": self.state.value,
-            "model": self.model.model_id if self.model and self.state != STOPPED else None,
-            "port": self.port if alive else None,
-            "pid": self.pid if alive else None,
-            "restarts": self.restarts,
-            "last_error": self.last_error,
-        }
+        return child_views.snapshot(self.state, self.model.model_id if self.model else None, self.port, self.pid,
+                                    self.restarts, self.last_error)
 
     @property
     def warnings(self) -> List[str]:
@@ -370,21 +314,19 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
             # of another model alone, so that clients' automatic retries do
             # not each start a failing child.
             return defer.fail(refusal)
-        d: Deferred = Deferred(lambda d: self._cancel_waiter(d))
         if self.state == STARTING and self.model == model:
-            self._waiters.append((model.model_id, d))
-            return d
-        self._fail_waiters(
+            return self.waiters.for_load(model.model_id)
+        self.waiters.fail(
             errors.model_load_failed(f"load on {self.name} superseded by a switch to {model.model_id!r}"),
             keep=model.model_id,
         )
-        self._waiters.append((model.model_id, d))
+        d = self.waiters.for_load(model.model_id)
         self._target = model
         if self.state in (STARTING, READY):
             self._stop_child("switching to " + model.model_id)
         elif self.state in (STOPPED, FAILED):
             self._start_target()
-        # STOPPING: _child_ended starts the target once the old child is reaped.
+        # STOPPING: child_ended starts the target once the old child is reaped.
         return d
 
     def refusal(self, model: ModelConfig) -> Optional[errors.ApiError]:
@@ -392,17 +334,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         Retry-After: when it will be tried again), else None.  Only the model
         that failed is refused: another model's request is served."""
         now = self.reactor.seconds()
-        backoff = self.policy.backoff(model.model_id, now)
-        if backoff is None:
-            return None
-        wait = retry_after_seconds(backoff.remaining(now))
-        return errors.model_load_failed(
-            diagnosis.shorten(
-                f"model {model.model_id!r} failed {backoff.failures} times in a row on {self.name}; "
-                f"next attempt in {wait}s. Last error: {backoff.message or 'unknown'}"
-            ),
-            retry_after=wait,
-        )
+        return child_failures.refusal(model.model_id, self.name, self.policy.backoff(model.model_id, now), now)
 
     def backoffs(self) -> List[BackOff]:
         """The models backing off on this device now (the inventory, the metrics)."""
@@ -412,11 +344,10 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
     def stop(self) -> "Deferred[None]":
         """Stop the child (TERM, then KILL after the grace); fires once reaped."""
         self._target = None
-        self._fail_waiters(errors.model_load_failed(f"model load on {self.name} cancelled: device stopped"))
+        self.waiters.fail(errors.model_load_failed(f"model load on {self.name} cancelled: device stopped"))
         if self.state in (STOPPED, FAILED):
             return defer.succeed(None)
-        d: Deferred = Deferred()
-        self._stop_waiters.append(d)
+        d: Deferred[None] = self.waiters.for_stop()
         if self.state != STOPPING:
             self._stop_child("stop requested")
         return d
@@ -430,27 +361,10 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         ``generation``: the child the request went to; if that child is
         already gone (replaced meanwhile), nothing is probed or stopped.
         """
-        endpoint = self.endpoint
-        if endpoint is None or self.model is None:
+        endpoint, model = self.endpoint, self.model
+        if endpoint is None or model is None or (generation is not None and generation != self.generation):
             return defer.succeed(False)
-        if generation is not None and generation != self.generation:
-            return defer.succeed(False)
-        generation, model_id = self.generation, self.model.model_id
-        d = self.probes.readiness(endpoint.base_url, self.model.served_name)
-        return d.addErrback(lambda _: False).addCallback(
-            lambda ok: self._health_judged(ok is True, generation, model_id, after))
-
-    @_transition
-    def _health_judged(self, ok: bool, generation: int, model_id: str, after: str) -> bool:
-        if ok or self.generation != generation or self.state != READY:
-            return False
-        log.warn("llama-server on {device} failed a health probe after {after}; restarting",
-                 device=self.name, after=after)
-        self._count("restart")
-        self._note_error("unhealthy", f"llama-server for {model_id!r} failed a health probe "
-                                      f"after {after} on {self.name}; restarted")
-        self._stop_child(f"unhealthy after {after}", healthy=False)
-        return True
+        return self.health.after_failure(endpoint, model, self.generation, after)
 
     def check_inference(self) -> "Deferred[bool]":
         """Ask the ready child for a 1-token answer (the opt-in
@@ -459,29 +373,18 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         endpoint, model = self.endpoint, self.model
         if endpoint is None or model is None:
             return defer.succeed(False)
-        generation = self.generation
-        d = self.probes.inference(endpoint.base_url, model)
-        return d.addErrback(lambda _: False).addCallback(
-            lambda ok: self._inference_judged(ok is True, generation, model))
+        return self.health.inference(endpoint, model, self.generation)
+
+    def _still_serving(self, generation: int) -> bool:
+        return generation == self.generation and self.state == READY
 
     @_transition
-    def _inference_judged(self, ok: bool, generation: int, model: ModelConfig) -> bool:
-        if generation != self.generation or self.state != READY:
-            return False
-        if ok:
-            self.policy.inference_failures = 0
-            return True
-        replace = self.policy.inference_failed()
-        log.warn("llama-server for {model} on {device} failed an inference probe ({count} of {limit} in a row)",
-                 model=model.model_id, device=self.name, count=self.policy.inference_failures,
-                 limit=INFERENCE_PROBE_FAILURES)
-        if replace:
-            self._count("restart")
-            self._note_error("inference_probe_failed",
-                             f"llama-server for {model.model_id!r} answered /health but failed "
-                             f"{INFERENCE_PROBE_FAILURES} inference probes in a row on {self.name}; restarted")
-            self._stop_child("failed its inference probes", healthy=False)
-        return False
+    def _replace(self, code: str, message: str, why: str) -> bool:
+        """Replace the ready child that failed its probes (ChildHealth's verdict)."""
+        self._count("restart")
+        self._note_error(code, message)
+        self._stop_child(why, healthy=False)
+        return True
 
     def startService(self) -> None:
         super().startService()
@@ -506,52 +409,26 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         model = self.model
         assert model is not None
         self.port = self.launcher.pick_port()
-        argv, env, wrapped = self.launcher.command(model, self.port, model.model_id in self.policy.safe_mode)
+        argv, env, wrapped = start_command(self.launcher, model, self.port, model.model_id in self.policy.safe_mode,
+                                           self.output, self.name)
         self.policy.inference_failures = 0
-        self.output.append(f"[rolemesh] starting {model.model_id} on {self.name}: {' '.join(argv)}")
-        self.output.new_attempt()
-        log.info("starting llama-server for {model} on {device} (port {port})",
-                 model=model.model_id, device=self.name, port=self.port)
-        template = chat_templates.describe_model(model)
-        if template["warning"]:
-            log.warn("{model}: {warning}", model=model.model_id, warning=template["warning"], device=self.name)
-        self._started_at = self.reactor.seconds()
-        self._ready_at = None
-        self._stop_reason = None
-        self._stop_healthy = True
+        attempt = self._attempt = ChildAttempt(self.name, model.model_id, self.output, self._child_ended,
+                                               self._pidfiles, self.reactor.seconds())
         self._set_state(STARTING)
-        child = ChildProcess(self, self.reactor, self.name, self.launcher.signal_group)
         try:
-            self.launcher.spawn(self.reactor, child, wrapped, env)
+            child = attempt.spawn(self.reactor, self.launcher, wrapped, env, argv, self.oom_counter)
         except Exception as e:  # e.g. the interpreter vanished: fail, don't wedge
-            self._child = None
-            message = f"cannot start llama-server on {self.name}: {e}"
-            self._record_failure(History.LOAD, Schedule.RESTART, "model_load_failed", message)
-            self._count("load_failure")
-            self._load_failed(errors.model_load_failed(message))
+            account = self._record_failure(child_failures.spawn_failed(self.name, e))[1]
+            self._load_failed(errors.model_load_failed(account.message))
             return
-        self._child, self.pid = child, child.pid
-        self._oom = self.oom_counter(self.pid)
-        self._oom_before = self._oom()
-        if self._pidfiles is not None and self.pid is not None:
-            self._pidfiles.write(self.name, self.pid, argv)
+        self.pid = child.pid
         served_name, base_url = model.served_name, f"http://127.0.0.1:{self.port}"
-        self._watch = LoadWatch(self.reactor, self._config, lambda: self.probes.readiness(base_url, served_name),
-                                self._became_ready, self._load_timed_out)
-        self._watch.start()
-
-    def _stop_watch(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-        self._watch = None
+        attempt.watch_load(self.reactor, self._config, lambda: self.probes.readiness(base_url, served_name),
+                           self._became_ready, self._load_timed_out)
 
     @_transition
     def _became_ready(self) -> None:
-        self._stop_watch()
-        if self._child is not None:
-            self._child.serving = True  # its per-request lines are read in batches
-        self._ready_at = self.reactor.seconds()
-        self.last_load_seconds = self._ready_at - self._started_at
+        self.last_load_seconds = self._attempt.ready(self.reactor.seconds())
         assert self.model is not None
         log.info("llama-server for {model} ready on {device} in {seconds:.2f}s (pid {pid})",
                  model=self.model.model_id, device=self.name, seconds=self.last_load_seconds, pid=self.pid)
@@ -559,86 +436,48 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self.policy.loaded(self.model.model_id)  # its run of failed loads is over
         self._note_error(None, None)
         self._set_state(READY)
-        endpoint = self.endpoint
-        waiters, self._waiters = self._waiters, []
-        for model_id, d in waiters:
-            if model_id == self.model.model_id:
-                self._settle(d, endpoint)
-            else:  # superseded by a later switch request; cannot happen via the scheduler
-                self._settle(d, errors.model_load_failed(f"model {model_id!r} was superseded on {self.name}"))
+        name = self.name
+        self.waiters.ready(self.model.model_id, self.endpoint, lambda waited: child_failures.superseded(waited, name))
 
     @_transition
     def _load_timed_out(self, what: str) -> None:
         assert self.model is not None
-        self._stop_watch()
-        line = diagnosis.decisive_line(self.output.attempt(), self.model.path, self.model.model_id)
-        message = diagnosis.shorten(
-            f"model {self.model.model_id!r} {what} on {self.name}" + (f"; last error: {line}" if line else "")
-        )
-        backoff = self._record_failure(History.LOAD, Schedule.LOAD, "model_load_timeout", message)
-        self._count("load_timeout")
-        self._note_error("model_load_timeout", message)
+        self._attempt.stop_watch()
+        backoff, account = self._record_failure(child_failures.timed_out(self.model, what, self.name,
+                                                                         self.output.attempt()))
+        self._note_error(account.code, account.message)
         self._stop_child("load timed out", kill_now=True, reason=FAILED, healthy=False)
-        self._fail_waiters(errors.model_load_timeout(message, retry_after=retry_after_seconds(backoff.delay)))
+        self.waiters.fail(errors.model_load_timeout(account.message, retry_after=retry_after_seconds(backoff.delay)))
 
-    # -- output and exit (the ChildSink of the current child) -----------------------
+    # -- the end of a child (told by its ChildAttempt) --------------------------------
 
-    def child_progressed(self, child: ChildProcess) -> None:
-        if child is self._child and self._watch is not None:
-            self._watch.progressed()
-
-    def child_output(self, child: ChildProcess, fd: int, chunk: bytes) -> None:
-        # Every line goes to the ring buffer (the logs endpoint, error tails),
-        # as the read came: decoded when someone reads it.
-        self.output.add_chunk(chunk)
-        logged = to_log(chunk, serving=self.state == READY)
-        if logged:
-            model = self.model.model_id if self.model else None
-            for line in logged:
-                log.info("{device} {model}: {line}", device=self.name, model=model, line=line, stream=fd)
-        if child is self._child and self._watch is not None and announces_ready(chunk):
-            self._watch.poke()
-
-    def _record_failure(self, history: History, schedule: Schedule, code: str, message: str) -> BackOff:
-        """Count a failure of the current model in a row of ``history``; log
-        the back-off it sets, and why; return it."""
+    def _record_failure(self, account: child_failures.Account) -> Tuple[BackOff, child_failures.Account]:
+        """Count a failure of the current model (in the policy's run of its
+        history, and as its events); log the back-off it sets, and why."""
         assert self.model is not None
-        backoff = self.policy.record_failure(self.model.model_id, self.reactor.seconds(), history, schedule,
-                                             self._ready_at, code, message)
-        if backoff.delay > 0:
-            log.warn("{model} backs off on {device} for {delay:g}s, loads refused until then: {why}",
-                     model=backoff.model, device=self.name, delay=backoff.delay, why=backoff.why(),
-                     failures=backoff.failures, step=backoff.step, schedule=str(backoff.schedule))
-        else:
-            log.info("{model} will be loaded again on {device} at the next request: {why}",
-                     model=backoff.model, device=self.name, why=backoff.why(),
-                     failures=backoff.failures, step=backoff.step, schedule=str(backoff.schedule))
-        return backoff
+        backoff = self.policy.record_failure(self.model.model_id, self.reactor.seconds(), account.history,
+                                             account.schedule, self._attempt.ready_at, account.code, account.message)
+        child_failures.log_backoff(backoff, self.name)
+        for event in account.events:
+            self._count(event)
+        return backoff, account
 
     @_transition
-    def child_ended(self, child: Optional[ChildProcess], reason: Failure) -> None:
-        if child is not self._child:
-            return
+    def _child_ended(self, attempt: ChildAttempt, child: Optional[ChildProcess], reason: Failure) -> None:
+        if attempt is not self._attempt or child is not attempt.child:
+            return  # not the current child: nothing it says changes the device
         was = self.state
-        self._stop_watch()
-        self._child = None
-        if self._pidfiles is not None:
-            self._pidfiles.remove(self.name)
-        exit = exit_of(reason)
-        if exit.signal:  # the kernel says whether its OOM killer sent it
-            exit = exit.with_oom_kills(self._oom_before, self._oom())
-        attempt = self.output.attempt()
+        exit = attempt.ended(reason)
+        lines = self.output.attempt()
         self.output.append(f"[rolemesh] llama-server {exit.how}")
         if was == STOPPING or (child is not None and child.asked_to_stop):
             self._ended_as_asked(exit)  # the end we asked for, whatever its exit status
         elif was == STARTING:
-            if not self._ended_while_starting(exit, attempt):
+            if not self._ended_while_starting(exit, lines):
                 return  # retried at once
         else:  # READY
             self._ended_while_ready(exit)
-        stop_waiters, self._stop_waiters = self._stop_waiters, []
-        for d in stop_waiters:
-            self._settle(d, None)
+        self.waiters.stopped()
         if self._target is not None and not self._closing:
             self._start_target()
 
@@ -654,38 +493,28 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         if exit.is_sigill and self._may_retry_safely(model):
             self._spawn()
             return False
-        message = diagnosis.load_failure(model.model_id, self.name, exit, attempt, model.path)
-        code = exit.error_code("model_load_failed")
-        # Killed from outside (a person, the OOM killer): the first retry is
-        # free; a load that ended on its own repeats until someone acts.
-        schedule = Schedule.RESTART if killed_from_outside(exit) else Schedule.LOAD
-        backoff = self._record_failure(History.LOAD, schedule, code, message)
-        self._count("load_failure")
-        self._load_failed(errors.model_load_failed(message, retry_after=retry_after_seconds(backoff.delay)), code)
+        backoff, account = self._record_failure(child_failures.load_ended(model, self.name, exit, attempt))
+        self._load_failed(errors.model_load_failed(account.message, retry_after=retry_after_seconds(backoff.delay)),
+                          account.code)
         return True
 
     def _ended_while_ready(self, exit: diagnosis.Exit) -> None:
         model = self.model
         assert model is not None
-        meaning = f" ({exit.meaning})" if exit.meaning else ""
-        line = diagnosis.decisive_line(self.output.tail(ERROR_TAIL_LINES), model.path, model.model_id)
-        code = exit.error_code("child_crashed")
-        message = diagnosis.shorten(f"llama-server for {model.model_id!r} {exit.how} unexpectedly{meaning}"
-                                    + (f": {line}" if line else ""))
-        log.error("{message}", message=message, device=self.name, model=model.model_id)
-        backoff = self._record_failure(History.CRASH, Schedule.RESTART, code, message)
-        self._count("crash")
-        self._count("restart")
-        self._note_error(code, message)
+        account = child_failures.crash(model, exit, self.output.tail(ERROR_TAIL_LINES))
+        log.error("{message}", message=account.message, device=self.name, model=model.model_id)
+        backoff = self._record_failure(account)[0]
+        self._note_error(account.code, account.message)
         self._set_state(FAILED if backoff.delay > 0 else STOPPED)
 
     def _ended_as_asked(self, exit: diagnosis.Exit) -> None:
         model = self.model
         assert model is not None
-        self.policy.stopped(model.model_id, self.reactor.seconds(), self._ready_at, self._stop_healthy)
+        attempt = self._attempt
+        self.policy.stopped(model.model_id, self.reactor.seconds(), attempt.ready_at, attempt.stop_healthy)
         log.info("llama-server for {model} on {device} stopped ({how})",
                  model=model.model_id, device=self.name, how=exit.how)
-        self._set_state(self._stop_reason or STOPPED)
+        self._set_state(attempt.stop_reason or STOPPED)
 
     def _may_retry_safely(self, model: ModelConfig) -> bool:
         """After a SIGILL at load: retry once with --no-repack unless the
@@ -707,35 +536,14 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self._note_error(code or error.code, error.message)
         log.error("{message}", message=error.message, device=self.name)
         self._set_state(FAILED)
-        self._fail_waiters(error)
-
-    def _fail_waiters(self, error: errors.ApiError, keep: Optional[str] = None) -> None:
-        """Fail every waiter, except those for model ``keep``."""
-        waiters = self._waiters
-        self._waiters = [(m, d) for (m, d) in waiters if m == keep]
-        for model_id, d in waiters:
-            if model_id != keep:
-                self._settle(d, error)
-
-    def _cancel_waiter(self, d: Deferred) -> None:
-        # Deferred.cancel() errbacks with CancelledError once we return.
-        self._waiters = [(m, w) for (m, w) in self._waiters if w is not d]
+        self.waiters.fail(error)
 
     # -- stopping -------------------------------------------------------------
 
     def _stop_child(self, why: str, kill_now: bool = False, reason: Optional[DeviceState] = None,
                     healthy: bool = True) -> None:
-        self._stop_watch()
-        self._stop_reason = reason
-        self._stop_healthy = healthy
+        self._attempt.stopping(reason, healthy)
         self._set_state(STOPPING)
-        child = self._child
-        if child is None:  # never spawned: nothing to reap
-            self.child_ended(None, Failure(ProcessLookupError("not running")))
-            return
-        log.info("stopping llama-server on {device}: {why}", device=self.name, why=why)
-        child.stop_holding()
-        if kill_now:
-            child.kill()
-        else:
-            child.terminate(self._config.llama_server_stop_timeout_s)
+        if not self._attempt.stop(why, kill_now, self._config.llama_server_stop_timeout_s):
+            # never spawned: nothing to reap
+            self._child_ended(self._attempt, None, Failure(ProcessLookupError("not running")))

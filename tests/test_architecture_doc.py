@@ -1,6 +1,6 @@
-"""docs/architecture.md's pictures of the node and of the supervisor name
-parts that exist, where they say they are (the node's: every part it has),
-and the events the supervisor really emits."""
+"""docs/architecture.md's pictures of the node, the supervisor and the
+dispatcher client name parts that exist, where they say they are (the
+node's: every part it has), and the events the supervisor really emits."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class SupervisorPartsDocTests(SynchronousTestCase):
     def test_each_part_lives_in_the_module_the_diagram_names(self) -> None:
         diagram = supervisor_section().split("```")[1]
         parts = re.findall(r"(\w+)(?:: Events)?[\s─┐◀┘]+rolemesh/(\w+)\.py", diagram)
-        self.assertEqual(len(parts), 8, parts)
+        self.assertEqual(len(parts), 14, parts)
         for name, module in parts:
             if name == "events":
                 name = "Events"
@@ -81,3 +81,12 @@ class SupervisorPartsDocTests(SynchronousTestCase):
         listed = set(re.findall(r"\b(child_state|load(?:_failure|_timeout)?|crash|restart|safe_mode_retry)\b",
                                 diagram.split("events: Events", 1)[1].split("Node._supervisor_changed")[0]))
         self.assertEqual(listed, set(COUNTED_EVENTS) | {CHILD_STATE})
+
+
+class DispatcherPartsDocTests(SynchronousTestCase):
+    def test_each_part_lives_in_the_module_the_diagram_names(self) -> None:
+        diagram = section("The dispatcher client's parts").split("```")[1]
+        parts = re.findall(r"(\w+)[\s─├└│]+rolemesh/(\w+)\.py", diagram)
+        self.assertEqual(len(parts), 5, parts)
+        for name, module in parts:
+            self.assertTrue(hasattr(importlib.import_module(f"rolemesh.{module}"), name), (name, module))

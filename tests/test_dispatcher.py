@@ -29,17 +29,11 @@ from rolemesh import __version__
 from rolemesh.config import BACKEND_NAMES, ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.dispatcher import (
-    AUTH,
-    FORGOTTEN,
-    OK,
     REGISTERED,
-    REJECTED,
-    TRANSIENT,
     UNREACHABLE,
     UNREGISTERED,
     Backoff,
     DispatcherClient,
-    classify,
 )
 from rolemesh.payloads import (
     CAPABILITIES,
@@ -215,21 +209,6 @@ class BackoffTests(SynchronousTestCase):
     def test_invalid_parameters(self) -> None:
         for base, cap in ((0.0, 1.0), (-1.0, 1.0), (2.0, 1.0), (1.0, float("inf")), (float("nan"), 1.0)):
             self.assertRaises(ValueError, Backoff, base, cap)
-
-
-class ClassifyTests(SynchronousTestCase):
-    def test_table(self) -> None:
-        table = [
-            ("register", None, TRANSIENT), ("register", 200, OK), ("register", 201, OK),
-            ("heartbeat", 204, OK), ("heartbeat", 404, FORGOTTEN), ("heartbeat", 410, FORGOTTEN),
-            ("register", 404, REJECTED), ("register", 410, REJECTED), ("deregister", 404, FORGOTTEN),
-            ("heartbeat", 401, AUTH), ("register", 403, AUTH), ("heartbeat", 500, TRANSIENT),
-            ("heartbeat", 502, TRANSIENT), ("register", 503, TRANSIENT), ("heartbeat", 429, TRANSIENT),
-            ("heartbeat", 408, TRANSIENT), ("register", 400, REJECTED), ("register", 422, REJECTED),
-            ("register", 301, REJECTED), ("heartbeat", 405, REJECTED),
-        ]
-        for kind, code, expected in table:
-            self.assertEqual(classify(kind, code), expected, (kind, code))
 
 
 # ----------------------------------------------------------------------
@@ -717,7 +696,7 @@ class LoggingTests(SynchronousTestCase):
         echo = Echo()
         h = Harness()
         h.stub = StubTreq(echo)
-        h.client._http = h.stub
+        h.client.exchange.http = h.stub
         with capturedLogs() as events:
             h.start()
             h.advance(10)
@@ -727,7 +706,7 @@ class LoggingTests(SynchronousTestCase):
             h.advance(70)
             echo.code = 200
             h.advance(70)
-            h.client._http = RecordingHTTP()
+            h.client.exchange.http = RecordingHTTP()
             h.advance(20)
             h.stop()
         self.assertGreater(len(events), 5)

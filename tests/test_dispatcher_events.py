@@ -148,7 +148,7 @@ class DeltaTests(SynchronousTestCase):
         h.advance(0.3, step=0.05)  # this delta hangs
         for i in range(10_000):
             h.change(f"cpu:{i % 8}", ne.LOAD_STARTED if i % 2 else ne.READY)
-        self.assertLessEqual(len(h.client._deltas), 8)
+        self.assertLessEqual(len(h.client.deltas.buffer), 8)
         h.fake.release()
         h.fake.hang = False
         h.advance(h.client.request_timeout + 1, step=0.05)
