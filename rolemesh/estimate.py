@@ -2,8 +2,8 @@
 
 Two halves, as everywhere in the agent: :func:`read_facts` is the only I/O --
 it memory-maps the file and reads the header and the tensor table (with
-the ``gguf`` package's type tables), never the weights, so it is instant even for a 100 GB file
--- and :func:`estimate` is a pure function of those facts, the model's
+its own table of ggml's block sizes, :data:`GGML_BLOCK_SIZES`), never the
+weights, so it is instant even for a 100 GB file -- and :func:`estimate` is a pure function of those facts, the model's
 config and the kind of device, so hypothesis and recorded headers can hammer
 it.
 
@@ -246,13 +246,54 @@ def parse_header(buf: GGUFBytes) -> Tuple[Dict[str, Any], List[Tuple[str, Tuple[
     return kv, tensors
 
 
-def tensor_bytes(shape: Tuple[int, ...], ttype: int) -> int:
-    """Bytes of a tensor of ggml ``shape`` and type (``gguf.GGML_QUANT_SIZES``)."""
-    import gguf
+#: ggml tensor types as (elements per block, bytes per block), by the type's
+#: number in a GGUF tensor table: ggml's own ``type_traits`` (``ggml.c``), as
+#: the ``gguf`` package's ``GGML_QUANT_SIZES`` has them (a test in the test
+#: extra checks every entry against it).  Kept here so that the agent needs
+#: neither ``gguf`` nor numpy at run time: the header parser above is its own.
+GGML_BLOCK_SIZES: Dict[int, Tuple[int, int]] = {
+    0: (1, 4),  # F32
+    1: (1, 2),  # F16
+    2: (32, 18),  # Q4_0
+    3: (32, 20),  # Q4_1
+    6: (32, 22),  # Q5_0
+    7: (32, 24),  # Q5_1
+    8: (32, 34),  # Q8_0
+    9: (32, 40),  # Q8_1
+    10: (256, 84),  # Q2_K
+    11: (256, 110),  # Q3_K
+    12: (256, 144),  # Q4_K
+    13: (256, 176),  # Q5_K
+    14: (256, 210),  # Q6_K
+    15: (256, 292),  # Q8_K
+    16: (256, 66),  # IQ2_XXS
+    17: (256, 74),  # IQ2_XS
+    18: (256, 98),  # IQ3_XXS
+    19: (256, 50),  # IQ1_S
+    20: (32, 18),  # IQ4_NL
+    21: (256, 110),  # IQ3_S
+    22: (256, 82),  # IQ2_S
+    23: (256, 136),  # IQ4_XS
+    24: (1, 1),  # I8
+    25: (1, 2),  # I16
+    26: (1, 4),  # I32
+    27: (1, 8),  # I64
+    28: (1, 8),  # F64
+    29: (256, 56),  # IQ1_M
+    30: (1, 2),  # BF16
+    34: (256, 54),  # TQ1_0
+    35: (256, 66),  # TQ2_0
+    39: (32, 17),  # MXFP4
+    40: (64, 36),  # NVFP4
+    41: (128, 18),  # Q1_0
+}
 
+
+def tensor_bytes(shape: Tuple[int, ...], ttype: int) -> int:
+    """Bytes of a tensor of ggml ``shape`` and type (:data:`GGML_BLOCK_SIZES`)."""
     try:
-        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
-    except (ValueError, KeyError):
+        block, size = GGML_BLOCK_SIZES[ttype]
+    except (KeyError, TypeError):
         raise EstimateError(f"unknown tensor type {ttype}") from None
     elements = 1
     for d in shape:
