@@ -56,6 +56,6 @@ def adapter_entries(base_entry: Mapping[str, Any], model: ModelConfig) -> List[D
     (the base's child holds them)."""
     shared = {k: v for k, v in base_entry.items()
               if k in ("object", "created", "owned_by", "loaded_on", "loading_on", "load_progress", "devices",
-                       "fits_on")}
+                       "fits_on", "leaving")}
     return [{"id": adapter.id, **shared, "roles": [], "base_model": model.model_id,
              "lora": {"scale": adapter.scale}} for adapter in model.lora_adapters]

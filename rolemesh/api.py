@@ -429,7 +429,8 @@ class NodeAPI:
     def models(self, request: IRequest) -> bytes:
         self._authorize(request)
         data = []
-        for model in self.config.models:
+        leaving = self.node.leaving_models()  # removed by a reload, still busy: listed until idle
+        for model in (*self.config.models, *leaving):
             where = self.node.loaded_on(model.model_id)
             entry = {
                 "id": model.model_id,
@@ -445,6 +446,8 @@ class NodeAPI:
             entry.update({k: v for k, v in self.node.model_memory(model).items() if k != "model_id"})
             if model.alias:
                 entry["aliases"] = [model.alias]
+            if model in leaving:
+                entry["leaving"] = True
             data.append(entry)
             data.extend(adapter_entries(entry, model))
         return _json(request, 200, {"object": "list", "data": data})

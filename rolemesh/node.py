@@ -292,6 +292,22 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         loaded = [m for m in serving if self.loaded_on(m.model_id)]
         return (loaded or serving)[0]
 
+    def leaving_models(self) -> Tuple[ModelConfig, ...]:
+        """Models a reload removed whose requests still run or wait here
+        (listed until they are done: :func:`rolemesh.reload.leaving`)."""
+        from rolemesh.reload import leaving
+
+        pending = []
+        for name, book in self.scheduler.devices.items():
+            held = self.supervisors[name].model
+            for ticket in (*book.running, *book.queue):
+                request = ticket.context
+                if isinstance(request, _Acquisition):
+                    pending.append(request.model)
+                elif held is not None and ticket.model_id == held.model_id:
+                    pending.append(held)  # admitted at once (lease_now) on the child of this record
+        return leaving(self.config, pending)
+
     # -- requests -------------------------------------------------------------------
 
     def _capped(self, share: Share) -> Optional[errors.ApiError]:

@@ -13,7 +13,7 @@ import gguf
 import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.adapters import adapter_named, lora_field, with_lora
+from rolemesh.adapters import adapter_entries, adapter_named, lora_field, with_lora
 from rolemesh.config import LoraAdapter, as_dict, validate
 from rolemesh.errors import ConfigError
 from rolemesh.estimate import GGUFFacts, estimate, estimate_on, facts_from_header, parse_header
@@ -173,6 +173,15 @@ class LoraFieldTests(SynchronousTestCase):
                          {"model": "base:terse", "prompt": "x", "extra": [1],
                           "lora": [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 1.0}]})
         self.assertEqual(payload["lora"], [{"id": 0, "scale": 9}], "the parsed payload is not changed")
+
+
+class AdapterEntryTests(SynchronousTestCase):
+    def test_the_adapters_of_a_leaving_base_are_leaving_too(self) -> None:
+        base = models(BASE)[0]
+        entry = {"id": "base", "object": "model", "loaded_on": ["gpu:0"], "memory_estimate": None}
+        self.assertEqual([e.get("leaving") for e in adapter_entries({**entry, "leaving": True}, base)],
+                         [True, True])
+        self.assertNotIn("leaving", adapter_entries(entry, base)[0])
 
 
 class AdapterApiTests(ApiTestCase):
