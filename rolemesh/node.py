@@ -25,7 +25,7 @@ from rolemesh import chat_templates, errors
 from rolemesh.backends.groups import group_name
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
-from rolemesh.estimate import GGUFFacts, MemoryEstimate, capacity_of, estimate_on, gib, shared_memory
+from rolemesh.estimate import AdapterFacts, GGUFFacts, MemoryEstimate, capacity_of, estimate_on, gib, shared_memory
 from rolemesh.events import Events
 from rolemesh.fairqueue import DEFAULT_SHARE, Share
 from rolemesh.interfaces import IDeviceBackend, IHTTPClientReactor
@@ -102,6 +102,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         telemetry_get: Optional[Callable[..., Deferred]] = None,
         facts: Optional[Mapping[str, Optional[GGUFFacts]]] = None,
         read_facts: Optional[Callable[[str], Optional[GGUFFacts]]] = None,
+        read_adapter: Optional[Callable[[str], Optional[AdapterFacts]]] = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -134,6 +135,9 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         #: request asks, and the answer depends on nothing else.
         self._placements: Dict[Tuple[ModelConfig, Optional[str]], Tuple[List[str], Dict[str, int], Optional[str]]] = {}
         self._read_facts = read_facts
+        #: LoRA adapter header facts per adapter path, read with ``read_adapter`` on first use (None: unreadable).
+        self.adapter_facts: Dict[str, Optional[AdapterFacts]] = {}
+        self._read_adapter = read_adapter
         self.metrics: Dict[str, DeviceMetrics] = {}
         self.draining = False
         #: Reads a model's GGUF ahead while a switch to it waits (rolemesh.readahead).
@@ -487,8 +491,17 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             if draft is not None and draft not in self.facts and self._read_facts is not None:
                 self.facts[draft] = self._read_facts(draft)
             estimate = self._estimates[key] = estimate_on(facts, model, self.backend.name, members, reserve,
-                                                          self.facts.get(draft) if draft is not None else None)
+                                                          self.facts.get(draft) if draft is not None else None,
+                                                          self._adapters_of(model))
         return estimate
+
+    def _adapters_of(self, model: ModelConfig) -> List[AdapterFacts]:
+        """The header facts of ``model``'s LoRA adapters that could be read."""
+        for adapter in model.lora_adapters:
+            if adapter.path not in self.adapter_facts and self._read_adapter is not None:
+                self.adapter_facts[adapter.path] = self._read_adapter(adapter.path)
+        found = (self.adapter_facts.get(adapter.path) for adapter in model.lora_adapters)
+        return [facts for facts in found if facts is not None]
 
     def fits_on(self, model: ModelConfig) -> List[str]:
         """The lanes whose total memory can ever hold ``model`` (all of them
