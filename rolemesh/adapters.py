@@ -56,6 +56,18 @@ def adapter_entries(base_entry: Mapping[str, Any], model: ModelConfig) -> List[D
     (the base's child holds them)."""
     shared = {k: v for k, v in base_entry.items()
               if k in ("object", "created", "owned_by", "loaded_on", "loading_on", "load_progress", "devices",
-                       "fits_on")}
+                       "fits_on", "leaving")}
     return [{"id": adapter.id, **shared, "roles": [], "base_model": model.model_id,
              "lora": {"scale": adapter.scale}} for adapter in model.lora_adapters]
+
+
+def adapter_served_models(base_entry: Mapping[str, Any], model: ModelConfig) -> List[Dict[str, Any]]:
+    """The registration's ``served_models`` entries of ``model``'s adapters,
+    next to its own ``base_entry``: each adapter id a model a dispatcher may
+    route to, with the base's capabilities and devices, ``base_model``
+    naming the base (one child serves them all: route an adapter where its
+    base is loaded), no alias or roles of its own (a role resolves to the
+    base), and no memory estimate of its own (the base's child holds it)."""
+    shared = {k: v for k, v in base_entry.items() if k in ("capabilities", "devices", "fits_on")}
+    return [{"model_id": adapter.id, "alias": None, "roles": [], **shared, "base_model": model.model_id}
+            for adapter in model.lora_adapters]

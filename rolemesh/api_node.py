@@ -79,7 +79,8 @@ class NodeRoutes:
     def models(self, request: IRequest) -> bytes:
         self._keys.authorize(request)
         data = []
-        for model in self.config.models:
+        leaving = self.node.leaving_models()  # removed by a reload, still busy: listed until idle
+        for model in (*self.config.models, *leaving):
             where = self.node.loaded_on(model.model_id)
             entry = {
                 "id": model.model_id,
@@ -95,6 +96,8 @@ class NodeRoutes:
             entry.update({k: v for k, v in self.node.model_memory(model).items() if k != "model_id"})
             if model.alias:
                 entry["aliases"] = [model.alias]
+            if model in leaving:
+                entry["leaving"] = True
             data.append(entry)
             data.extend(adapter_entries(entry, model))
         return json_answer(request, 200, {"object": "list", "data": data})

@@ -111,7 +111,7 @@ def slot_warnings(config: NodeConfig) -> List[str]:
 def memory_report(config: NodeConfig, backend: str, devices: Sequence[DeviceRef], out: TextIO) -> None:
     """Each model's memory estimate and the devices/groups that can hold it;
     a model that none can ever hold is a warning naming it."""
-    from rolemesh.estimate import EstimateError, capacity_of, estimate_on, gib, read_facts
+    from rolemesh.estimate import EstimateError, capacity_of, estimate_on, gib, read_adapter_facts, read_facts
 
     by_name = {d.name: d for d in devices}
     reserve = config.device_memory_reserve_bytes
@@ -120,6 +120,7 @@ def memory_report(config: NodeConfig, backend: str, devices: Sequence[DeviceRef]
         try:
             facts = read_facts(model.path)
             draft = read_facts(model.draft_model) if model.draft_model is not None else None
+            adapters = [read_adapter_facts(adapter.path) for adapter in model.lora_adapters]
         except EstimateError as e:
             out.write(f"{model.model_id}: no estimate ({e})\n")
             continue
@@ -128,7 +129,7 @@ def memory_report(config: NodeConfig, backend: str, devices: Sequence[DeviceRef]
         for names in lanes:
             members = [by_name[n] for n in names if n in by_name]
             capacity = capacity_of([d.memory_total_bytes for d in members], backend)
-            need = estimate_on(facts, model, backend, len(members), reserve, draft)
+            need = estimate_on(facts, model, backend, len(members), reserve, draft, adapters)
             if capacity is None or need.total_bytes <= capacity:
                 fits.append(group_name(names))
             if largest is None or (capacity or 0) > (largest[1] or 0):

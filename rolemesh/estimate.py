@@ -2,8 +2,8 @@
 
 Two halves, as everywhere in the agent: :func:`read_facts` is the only I/O --
 it memory-maps the file and reads the header and the tensor table (with
-the ``gguf`` package's type tables), never the weights, so it is instant even for a 100 GB file
--- and :func:`estimate` is a pure function of those facts, the model's
+its own table of ggml's block sizes, :data:`GGML_BLOCK_SIZES`), never the
+weights, so it is instant even for a 100 GB file -- and :func:`estimate` is a pure function of those facts, the model's
 config and the kind of device, so hypothesis and recorded headers can hammer
 it.
 
@@ -29,6 +29,9 @@ The estimate mirrors what llama-server (llama.cpp) allocates when it loads:
   (:data:`RUNTIME_BYTES`; measured on cuda only, 0 elsewhere).
 - **draft**: a ``draft_model``'s weights, KV cache and compute buffer,
   sized as the target's (:func:`draft_bytes`).
+- **LoRA adapters**: the tensors of a model's ``lora_adapters`` on the
+  device -- llama.cpp puts each next to the weight it adapts, so on a GPU
+  only those of the offloaded layers (:func:`lora_bytes`).
 - **reserve**: ``device_memory_reserve_bytes``, headroom the node keeps free.
 
 The figures are checked against the buffer sizes a real llama-server logs at
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 import attr
 
@@ -48,6 +51,7 @@ from rolemesh.config import ModelConfig
 
 #: A GGUF file's bytes: the memory-mapped file, or the bytes themselves.
 GGUFBytes = Union[bytes, bytearray, mmap.mmap]
+_Facts = TypeVar("_Facts")
 
 MIB = 1024 * 1024
 #: llama.cpp pads the context (and the sliding-window cache) to this many cells.
@@ -113,6 +117,21 @@ class GGUFFacts:
 
 
 @attr.s(auto_attribs=True, frozen=True)
+class AdapterFacts:
+    """What the estimate needs from a LoRA adapter's GGUF header: its tensor
+    bytes by the base model's layer they adapt (``blk.N.*``), the output
+    head's (``output*``) and the rest's (token embeddings, ...)."""
+
+    layer_bytes: Tuple[int, ...] = ()
+    output_bytes: int = 0
+    other_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.output_bytes + self.other_bytes
+
+
+@attr.s(auto_attribs=True, frozen=True)
 class MemoryEstimate:
     """Bytes one child needs on its device (or device group), by part."""
 
@@ -128,11 +147,13 @@ class MemoryEstimate:
     slots: int = 1
     #: The draft model's weights, KV cache and compute buffer (``draft_model``; 0 without).
     draft_bytes: int = 0
+    #: The LoRA adapters' tensors on the device (``lora_adapters``; 0 without).
+    lora_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return (self.weights_bytes + self.kv_cache_bytes + self.compute_bytes + self.runtime_bytes
-                + self.reserve_bytes + self.draft_bytes)
+                + self.reserve_bytes + self.draft_bytes + self.lora_bytes)
 
     def to_json(self) -> Dict[str, int]:
         return {
@@ -145,13 +166,15 @@ class MemoryEstimate:
             "ctx_cells": self.ctx_cells,
             "slots": self.slots,
             "draft_bytes": self.draft_bytes,
+            "lora_bytes": self.lora_bytes,
         }
 
     def describe(self) -> str:
         runtime = f", runtime {gib(self.runtime_bytes)}" if self.runtime_bytes else ""
         draft = f", draft model {gib(self.draft_bytes)}" if self.draft_bytes else ""
+        lora = f", LoRA adapters {gib(self.lora_bytes)}" if self.lora_bytes else ""
         return (f"{gib(self.total_bytes)} (weights {gib(self.weights_bytes)}, KV cache {gib(self.kv_cache_bytes)}, "
-                f"compute {gib(self.compute_bytes)}{runtime}{draft}, reserve {gib(self.reserve_bytes)})")
+                f"compute {gib(self.compute_bytes)}{runtime}{draft}{lora}, reserve {gib(self.reserve_bytes)})")
 
 
 def gib(n: Optional[int]) -> str:
@@ -246,13 +269,54 @@ def parse_header(buf: GGUFBytes) -> Tuple[Dict[str, Any], List[Tuple[str, Tuple[
     return kv, tensors
 
 
-def tensor_bytes(shape: Tuple[int, ...], ttype: int) -> int:
-    """Bytes of a tensor of ggml ``shape`` and type (``gguf.GGML_QUANT_SIZES``)."""
-    import gguf
+#: ggml tensor types as (elements per block, bytes per block), by the type's
+#: number in a GGUF tensor table: ggml's own ``type_traits`` (``ggml.c``), as
+#: the ``gguf`` package's ``GGML_QUANT_SIZES`` has them (a test in the test
+#: extra checks every entry against it).  Kept here so that the agent needs
+#: neither ``gguf`` nor numpy at run time: the header parser above is its own.
+GGML_BLOCK_SIZES: Dict[int, Tuple[int, int]] = {
+    0: (1, 4),  # F32
+    1: (1, 2),  # F16
+    2: (32, 18),  # Q4_0
+    3: (32, 20),  # Q4_1
+    6: (32, 22),  # Q5_0
+    7: (32, 24),  # Q5_1
+    8: (32, 34),  # Q8_0
+    9: (32, 40),  # Q8_1
+    10: (256, 84),  # Q2_K
+    11: (256, 110),  # Q3_K
+    12: (256, 144),  # Q4_K
+    13: (256, 176),  # Q5_K
+    14: (256, 210),  # Q6_K
+    15: (256, 292),  # Q8_K
+    16: (256, 66),  # IQ2_XXS
+    17: (256, 74),  # IQ2_XS
+    18: (256, 98),  # IQ3_XXS
+    19: (256, 50),  # IQ1_S
+    20: (32, 18),  # IQ4_NL
+    21: (256, 110),  # IQ3_S
+    22: (256, 82),  # IQ2_S
+    23: (256, 136),  # IQ4_XS
+    24: (1, 1),  # I8
+    25: (1, 2),  # I16
+    26: (1, 4),  # I32
+    27: (1, 8),  # I64
+    28: (1, 8),  # F64
+    29: (256, 56),  # IQ1_M
+    30: (1, 2),  # BF16
+    34: (256, 54),  # TQ1_0
+    35: (256, 66),  # TQ2_0
+    39: (32, 17),  # MXFP4
+    40: (64, 36),  # NVFP4
+    41: (128, 18),  # Q1_0
+}
 
+
+def tensor_bytes(shape: Tuple[int, ...], ttype: int) -> int:
+    """Bytes of a tensor of ggml ``shape`` and type (:data:`GGML_BLOCK_SIZES`)."""
     try:
-        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
-    except (ValueError, KeyError):
+        block, size = GGML_BLOCK_SIZES[ttype]
+    except (KeyError, TypeError):
         raise EstimateError(f"unknown tensor type {ttype}") from None
     elements = 1
     for d in shape:
@@ -336,12 +400,43 @@ def facts_from_header(kv: Mapping[str, Any], tensors: Sequence[Tuple[str, Tuple[
     )
 
 
+def adapter_facts_from_header(kv: Mapping[str, Any],
+                              tensors: Sequence[Tuple[str, Tuple[int, ...], int]]) -> AdapterFacts:
+    """:class:`AdapterFacts` from a parsed LoRA adapter header (``general.type``
+    ``adapter``, ``adapter.type`` ``lora``: what llama.cpp loads with ``--lora``)."""
+    if kv.get("general.type") != "adapter" or kv.get("adapter.type") != "lora":
+        raise EstimateError("not a LoRA adapter (general.type is not adapter, or adapter.type is not lora)")
+    layers: Dict[int, int] = {}
+    output_bytes = other_bytes = 0
+    for name, shape, ttype in tensors:
+        size = tensor_bytes(shape, ttype)
+        index = name.split(".", 2)[1] if name.startswith("blk.") and name.count(".") >= 2 else ""
+        if index.isdigit():
+            layers[int(index)] = layers.get(int(index), 0) + size
+        elif name.startswith("output"):
+            output_bytes += size
+        else:
+            other_bytes += size
+    layer_bytes = tuple(layers.get(i, 0) for i in range(max(layers) + 1)) if layers else ()
+    return AdapterFacts(layer_bytes, output_bytes, other_bytes)
+
+
+def read_adapter_facts(path: str) -> AdapterFacts:
+    """Read a LoRA adapter's GGUF header, memory-mapped, as :func:`read_facts` does."""
+    return _read_header(path, adapter_facts_from_header)
+
+
 def read_facts(path: str) -> GGUFFacts:
     """Read ``path``'s GGUF header, memory-mapped (the weights are never read).
 
     Raises :class:`EstimateError` with one line for a file that is missing,
     not a GGUF, or lacks the fields the estimate needs.
     """
+    return _read_header(path, facts_from_header)
+
+
+def _read_header(path: str, build: Callable[[Dict[str, Any], List[Tuple[str, Tuple[int, ...], int]]], _Facts]
+                 ) -> _Facts:
     try:
         with open(path, "rb") as f:
             try:
@@ -351,7 +446,7 @@ def read_facts(path: str) -> GGUFFacts:
     except OSError as e:
         raise EstimateError(f"{path}: {e.strerror or e}") from None
     try:
-        return facts_from_header(*parse_header(buf))
+        return build(*parse_header(buf))
     except EstimateError as e:
         raise EstimateError(f"{path}: {e}") from None
     except (struct.error, ValueError, TypeError, IndexError) as e:
@@ -476,12 +571,14 @@ def estimate(
     device_kind: str = "gpu",
     reserve_bytes: int = 0,
     draft: Optional[GGUFFacts] = None,
+    adapters: Sequence[AdapterFacts] = (),
 ) -> MemoryEstimate:
     """Memory ``model`` needs on one device (or spread over a group) of
     ``device_kind`` (``cpu`` puts every tensor on the device; anything else
     offloads by ``gpu_layers``).  ``reserve_bytes`` is added once per
     device the model occupies -- the caller multiplies for a group.
-    ``draft``: the header of the model's ``draft_model`` (:func:`draft_bytes`)."""
+    ``draft``: the header of the model's ``draft_model`` (:func:`draft_bytes`);
+    ``adapters``: those of its ``lora_adapters`` that could be read (:func:`lora_bytes`)."""
     if device_kind == "cpu":
         weights = facts.weight_bytes
         kv_layers = range(facts.n_layer)
@@ -500,7 +597,20 @@ def estimate(
         ctx_cells=full,
         slots=_slots(model)[0],
         draft_bytes=draft_bytes(draft, model, device_kind, full) if draft is not None and model.draft_model else 0,
+        lora_bytes=lora_bytes(adapters, facts, model, device_kind),
     )
+
+
+def lora_bytes(adapters: Sequence[AdapterFacts], facts: GGUFFacts, model: ModelConfig, device_kind: str) -> int:
+    """What the LoRA adapters add on the device.  llama.cpp allocates each
+    adapter tensor in the buffer of the weight it adapts: every one on a
+    cpu device; on a GPU those of the offloaded layers and of the output
+    head when it is offloaded (the token embeddings' stay in host memory)."""
+    if device_kind == "cpu":
+        return sum(a.total_bytes for a in adapters)
+    offloaded = offloaded_layers(facts, model.gpu_layers)
+    first = max(0, facts.n_layer + 1 - offloaded)
+    return sum(sum(a.layer_bytes[first:]) + (a.output_bytes if offloaded else 0) for a in adapters)
 
 
 #: The draft's own KV cache types (``--spec-draft-type-k/v``), as the
@@ -556,9 +666,9 @@ def capacity_of(totals: Sequence[Optional[int]], backend: str) -> Optional[int]:
 
 
 def estimate_on(facts: GGUFFacts, model: ModelConfig, backend: str, members: int, reserve_bytes: int,
-                draft: Optional[GGUFFacts] = None) -> MemoryEstimate:
+                draft: Optional[GGUFFacts] = None, adapters: Sequence[AdapterFacts] = ()) -> MemoryEstimate:
     """The estimate on a device (``members`` 1) or group of ``backend``: the
     reserve and the runtime count once per device, once in all for a shared pool."""
     per_device = 1 if shared_memory(backend) else max(1, members)
-    need = estimate(facts, model, "cpu" if backend == "cpu" else "gpu", reserve_bytes * per_device, draft)
+    need = estimate(facts, model, "cpu" if backend == "cpu" else "gpu", reserve_bytes * per_device, draft, adapters)
     return attr.evolve(need, runtime_bytes=RUNTIME_BYTES.get(backend, 0) * per_device)

@@ -36,19 +36,19 @@ from rolemesh.device_sampling import METRICS_INTERVAL_S, METRICS_TIMEOUT_S, Devi
 from rolemesh.device_timers import DeviceTimers
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.drain import Drain
-from rolemesh.estimate import GGUFFacts, MemoryEstimate
+from rolemesh.estimate import AdapterFacts, GGUFFacts, MemoryEstimate
 from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.events import Events
 from rolemesh.fairqueue import DEFAULT_SHARE, Share
 from rolemesh.interfaces import IDeviceBackend, IHTTPClientReactor
-from rolemesh.leases import Lease, LeaseStarts, refuse_waiting
+from rolemesh.leases import Acquisition, Lease, LeaseStarts, refuse_waiting
 from rolemesh.node_events import NodeFeed
 from rolemesh.node_views import NodeViews
 from rolemesh.placement import Placement
 from rolemesh.prefix import PrefixMemory
 from rolemesh.prompt_cache import PromptCacheTally
 from rolemesh.readahead import ReadAhead
-from rolemesh.reload import needs_new_child
+from rolemesh.reload import leaving, needs_new_child
 from rolemesh.scheduler import Scheduler
 from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor, StateChange
 from rolemesh.telemetry import TelemetrySampler
@@ -72,6 +72,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         telemetry_get: Optional[Callable[..., Deferred]] = None,
         facts: Optional[Mapping[str, Optional[GGUFFacts]]] = None,
         read_facts: Optional[Callable[[str], Optional[GGUFFacts]]] = None,
+        read_adapter: Optional[Callable[[str], Optional[AdapterFacts]]] = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -98,9 +99,10 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         self.metrics: Dict[str, DeviceMetrics] = {}
         #: Lanes, memory estimates, capacity and fit.
         self.placement = Placement(current, backend.name, self._current_devices, self.groups, self.metrics, books,
-                                   facts=facts, read_facts=read_facts)
-        #: GGUF header facts per model path (the placement's).
+                                   facts=facts, read_facts=read_facts, read_adapter=read_adapter)
+        #: GGUF header facts per model path, and per LoRA adapter path (the placement's).
         self.facts = self.placement.facts
+        self.adapter_facts = self.placement.adapter_facts
         #: The node's events (queue_full, queue_timeout, queue_wait,
         #: idle_unload, child_state), for the metrics module.
         self.events = Events()
@@ -221,6 +223,20 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             raise errors.model_not_found(name)
         loaded = [m for m in serving if self.loaded_on(m.model_id)]
         return (loaded or serving)[0]
+
+    def leaving_models(self) -> Tuple[ModelConfig, ...]:
+        """Models a reload removed whose requests still run or wait here
+        (listed until they are done: :func:`rolemesh.reload.leaving`)."""
+        pending = []
+        for name, book in self.scheduler.devices.items():
+            held = self.supervisors[name].model
+            for ticket in (*book.running, *book.queue):
+                request = ticket.context
+                if isinstance(request, Acquisition):
+                    pending.append(request.model)
+                elif held is not None and ticket.model_id == held.model_id:
+                    pending.append(held)  # admitted at once (lease_now) on the child of this record
+        return leaving(self.config, pending)
 
     # -- requests (rolemesh.admission, rolemesh.leases, rolemesh.drain) ------------------
 

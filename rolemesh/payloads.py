@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from rolemesh.adapters import adapter_served_models
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.device_state import DeviceState
 from rolemesh.devices import DeviceMetrics, DeviceRef
@@ -53,25 +54,29 @@ def registration_payload(
     the devices the node actually serves on (after the allow-list).
     ``memory`` maps a model_id to its placement (``Node.model_memory``): the
     estimate's total bytes, the devices or group it may use and those that can
-    hold it, so a dispatcher can place models across nodes.
+    hold it, so a dispatcher can place models across nodes.  Each of a
+    model's ``lora_adapters`` follows it as an entry of its own
+    (:func:`rolemesh.adapters.adapter_served_models`).
     """
     served = {m.model_id: model_capabilities(m) for m in config.models}
+    entries: List[Dict[str, Any]] = []
+    for m in config.models:
+        entry = {
+            "model_id": m.model_id,
+            "alias": m.alias,
+            "roles": list(dict.fromkeys(m.roles)),
+            "capabilities": served[m.model_id],
+            **_placement(memory.get(m.model_id) if memory else None),
+        }
+        entries.append(entry)
+        entries.extend(adapter_served_models(entry, m))  # each LoRA adapter is a model id of its own
     return {
         "node_id": config.node_id,
         "advertise_url": config.advertise_url,
         "agent_version": version,
         "backend": backend,
         "devices": [d.to_json() for d in devices],
-        "served_models": [
-            {
-                "model_id": m.model_id,
-                "alias": m.alias,
-                "roles": list(dict.fromkeys(m.roles)),
-                "capabilities": served[m.model_id],
-                **_placement(memory.get(m.model_id) if memory else None),
-            }
-            for m in config.models
-        ],
+        "served_models": entries,
         # What some model serves (embeddings: a model started with --embeddings).
         "capabilities": [c for c in CAPABILITIES if any(c in caps for caps in served.values())],
         "max_pending_requests_per_device": config.max_pending_requests_per_device,

@@ -15,7 +15,7 @@ from rolemesh import errors
 from rolemesh.backends.groups import group_name
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
-from rolemesh.estimate import GGUFFacts, MemoryEstimate, capacity_of, estimate_on, gib, shared_memory
+from rolemesh.estimate import AdapterFacts, GGUFFacts, MemoryEstimate, capacity_of, estimate_on, gib, shared_memory
 
 #: (eligible lanes, need in bytes per lane, pinned lane) for a request.
 Placed = Tuple[List[str], Dict[str, int], Optional[str]]
@@ -37,6 +37,7 @@ class Placement:
         lanes: Container[str],
         facts: Optional[Mapping[str, Optional[GGUFFacts]]] = None,
         read_facts: Optional[Callable[[str], Optional[GGUFFacts]]] = None,
+        read_adapter: Optional[Callable[[str], Optional[AdapterFacts]]] = None,
     ) -> None:
         #: The node's current config (a reload replaces it).
         self._config = config
@@ -54,6 +55,9 @@ class Placement:
         #: is read with ``read_facts`` on first use (header only: milliseconds).
         self.facts: Dict[str, Optional[GGUFFacts]] = dict(facts or {})
         self._read_facts = read_facts
+        #: LoRA adapter header facts per adapter path, read with ``read_adapter`` on first use (None: unreadable).
+        self.adapter_facts: Dict[str, Optional[AdapterFacts]] = {}
+        self._read_adapter = read_adapter
         #: Estimates worked out once per (model record, lane, reserve): pure,
         #: and asked for several times per request.
         self._estimates: Dict[Tuple[ModelConfig, str, int], MemoryEstimate] = {}
@@ -107,8 +111,17 @@ class Placement:
             if draft is not None and draft not in self.facts and self._read_facts is not None:
                 self.facts[draft] = self._read_facts(draft)
             estimate = self._estimates[key] = estimate_on(facts, model, self._backend_name, members, reserve,
-                                                          self.facts.get(draft) if draft is not None else None)
+                                                          self.facts.get(draft) if draft is not None else None,
+                                                          self._adapters_of(model))
         return estimate
+
+    def _adapters_of(self, model: ModelConfig) -> List[AdapterFacts]:
+        """The header facts of ``model``'s LoRA adapters that could be read."""
+        for adapter in model.lora_adapters:
+            if adapter.path not in self.adapter_facts and self._read_adapter is not None:
+                self.adapter_facts[adapter.path] = self._read_adapter(adapter.path)
+        found = (self.adapter_facts.get(adapter.path) for adapter in model.lora_adapters)
+        return [facts for facts in found if facts is not None]
 
     def fits_on(self, model: ModelConfig) -> List[str]:
         """The lanes whose total memory can ever hold ``model`` (all of them

@@ -10,8 +10,10 @@ and answered.  A valid one is compared with the running configuration
   :mod:`rolemesh.models_dir`): a GGUF file that appeared is a model added,
   one that went is a model removed;
 - models added are servable at once (and preloaded if they say so);
-- models removed leave ``/v1/models`` at once, and their child stops once
-  its device has no request running or waiting;
+- models removed leave ``/v1/models`` once idle: while requests for them
+  run or wait they are still listed (marked ``leaving``; :func:`leaving`)
+  and finish, new ones get 404; their child stops once its device has no
+  request running or waiting;
 - a model whose llama-server command changed restarts on its next use, once
   the requests in flight on its device are done;
 - API keys rotate for the next request; the dispatcher gets a fresh
@@ -29,7 +31,7 @@ reload, changed config or not.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import attr
 from twisted.logger import Logger
@@ -98,6 +100,19 @@ def needs_new_child(old: ModelConfig, new: ModelConfig) -> bool:
     if getattr(old, "devices", ()) != getattr(new, "devices", ()):
         return True
     return build_argv("llama-server", old, 0) != build_argv("llama-server", new, 0)
+
+
+def leaving(config: NodeConfig, pending: Iterable[ModelConfig]) -> Tuple[ModelConfig, ...]:
+    """The models of ``pending`` (the records of the requests running or
+    queued) that ``config`` no longer has -- a reload removed them, or their
+    file left the models folder -- once each, in order: ``GET /v1/models``
+    still lists them until those requests are done (pure)."""
+    current = {m.model_id for m in config.models}
+    out: Dict[str, ModelConfig] = {}
+    for model in pending:
+        if model.model_id not in current and model.model_id not in out:
+            out[model.model_id] = model
+    return tuple(out.values())
 
 
 @attr.s(auto_attribs=True, frozen=True)

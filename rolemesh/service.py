@@ -50,7 +50,7 @@ from rolemesh.config import NodeConfig, load_config
 from rolemesh.devices import DeviceRef
 from rolemesh.dispatcher import DispatcherClient
 from rolemesh.errors import ConfigError
-from rolemesh.estimate import EstimateError, GGUFFacts, read_facts
+from rolemesh.estimate import AdapterFacts, EstimateError, GGUFFacts, read_adapter_facts, read_facts
 from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.interfaces import IAgentReactor, IBackendReactor, IDeviceBackend
 from rolemesh.listener import GuardedSite, listening_service
@@ -527,7 +527,8 @@ def _node(
     reactor: Optional[IAgentReactor],
 ) -> Node:
     """The node over the supervisors; warns of models too large for any device."""
-    node = Node(config, backend, devices, supervisors, reactor=reactor, read_facts=read_model_facts)
+    node = Node(config, backend, devices, supervisors, reactor=reactor, read_facts=read_model_facts,
+                read_adapter=read_lora_facts)
     for model in config.models:
         problem = node.too_large(model)
         if problem is not None:
@@ -618,6 +619,16 @@ def read_model_facts(path: str) -> Optional[GGUFFacts]:
         return read_facts(path)
     except EstimateError as e:
         log.warn("no memory estimate: {error}", error=str(e))
+        return None
+
+
+def read_lora_facts(path: str) -> Optional[AdapterFacts]:
+    """A LoRA adapter's GGUF header facts; None with a warning where the
+    header cannot be read (the estimate leaves the adapter out)."""
+    try:
+        return read_adapter_facts(path)
+    except EstimateError as e:
+        log.warn("no memory estimate for a LoRA adapter: {error}", error=str(e))
         return None
 
 

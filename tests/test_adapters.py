@@ -9,14 +9,25 @@ import json
 import os
 from typing import Any, Dict, List
 
+import attr
 import gguf
 import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.adapters import adapter_named, lora_field, with_lora
+from rolemesh.adapters import adapter_entries, adapter_named, lora_field, with_lora
 from rolemesh.config import LoraAdapter, as_dict, validate
 from rolemesh.errors import ConfigError
-from rolemesh.estimate import GGUFFacts, estimate, estimate_on, facts_from_header, parse_header
+from rolemesh.estimate import (
+    AdapterFacts,
+    EstimateError,
+    GGUFFacts,
+    estimate,
+    estimate_on,
+    facts_from_header,
+    lora_bytes,
+    parse_header,
+    read_adapter_facts,
+)
 from rolemesh.llama_args import DRAFT_SPEC_TYPE, build_argv
 from rolemesh.supervisor import READY
 from tests.fakes import make_config
@@ -175,6 +186,15 @@ class LoraFieldTests(SynchronousTestCase):
         self.assertEqual(payload["lora"], [{"id": 0, "scale": 9}], "the parsed payload is not changed")
 
 
+class AdapterEntryTests(SynchronousTestCase):
+    def test_the_adapters_of_a_leaving_base_are_leaving_too(self) -> None:
+        base = models(BASE)[0]
+        entry = {"id": "base", "object": "model", "loaded_on": ["gpu:0"], "memory_estimate": None}
+        self.assertEqual([e.get("leaving") for e in adapter_entries({**entry, "leaving": True}, base)],
+                         [True, True])
+        self.assertNotIn("leaving", adapter_entries(entry, base)[0])
+
+
 class AdapterApiTests(ApiTestCase):
     top = {"models": [BASE, PLAIN]}
 
@@ -309,6 +329,63 @@ class DraftEstimateTests(SynchronousTestCase):
         m = self.model()
         self.assertEqual(estimate_on(self.target, m, "cpu", 1, 0, self.draft).draft_bytes,
                          estimate(self.target, m, "cpu", draft=self.draft).draft_bytes)
+
+
+class LoraEstimateTests(SynchronousTestCase):
+    """The memory estimate counts a model's LoRA adapters where llama.cpp puts them."""
+
+    def setUp(self) -> None:
+        tmp = self.mktemp()
+        os.makedirs(tmp)
+        self.base_path = write_tiny_gguf(os.path.join(tmp, "base.gguf"), seed=1)
+        self.base = facts_from_header(*parse_header(open(self.base_path, "rb").read()))
+        self.lora_path = write_tiny_lora(os.path.join(tmp, "l.gguf"), seed=3, rank=4)
+        self.reader = gguf.GGUFReader(self.lora_path)
+        self.model = models(dict(PLAIN, lora_adapters=[{"id": "plain:l", "path": self.lora_path}]))[0]
+
+    def tensor_bytes(self, prefix: str = "") -> int:
+        return sum(int(t.n_bytes) for t in self.reader.tensors if t.name.startswith(prefix))
+
+    def test_an_adapters_facts_are_its_tensor_bytes_by_layer(self) -> None:
+        facts = read_adapter_facts(self.lora_path)
+        self.assertEqual(facts.total_bytes, self.tensor_bytes())
+        self.assertEqual(facts.layer_bytes, (self.tensor_bytes("blk.0."), self.tensor_bytes("blk.1.")))
+        self.assertGreater(facts.layer_bytes[1], 0)
+
+    def test_a_model_is_no_adapter_and_an_adapter_no_model(self) -> None:
+        with self.assertRaises(EstimateError) as caught:
+            read_adapter_facts(self.base_path)
+        self.assertIn("not a LoRA adapter", str(caught.exception))
+        self.assertNotIn("\n", str(caught.exception))
+        with self.assertRaises(EstimateError):
+            read_adapter_facts(self.base_path + ".missing")
+
+    def test_on_a_cpu_every_adapter_tensor_counts(self) -> None:
+        adapter = read_adapter_facts(self.lora_path)
+        without = estimate(self.base, self.model, "cpu")
+        with_two = estimate(self.base, self.model, "cpu", adapters=[adapter, adapter])
+        self.assertEqual(with_two.lora_bytes, 2 * adapter.total_bytes)
+        self.assertEqual(with_two.total_bytes - without.total_bytes, with_two.lora_bytes)
+        self.assertEqual(with_two.to_json()["lora_bytes"], with_two.lora_bytes)
+        self.assertEqual((without.lora_bytes, without.to_json()["lora_bytes"]), (0, 0))
+        self.assertIn("LoRA adapters", with_two.describe())
+        self.assertNotIn("LoRA", without.describe())
+        self.assertEqual(estimate_on(self.base, self.model, "cpu", 1, 0, None, [adapter]).lora_bytes,
+                         adapter.total_bytes)
+
+    def test_on_a_gpu_only_the_offloaded_layers_adapters(self) -> None:
+        adapter = AdapterFacts(layer_bytes=(100, 200), output_bytes=30, other_bytes=4000)
+        facts = attr.evolve(self.base, n_layer=2)
+
+        def on_gpu(gpu_layers: Any) -> int:
+            return lora_bytes([adapter], facts, attr.evolve(self.model, gpu_layers=gpu_layers), "gpu")
+
+        self.assertEqual(on_gpu(None), 330)  # every layer and the head; the embeddings' stay on the host
+        self.assertEqual(on_gpu(3), 330)
+        self.assertEqual(on_gpu(2), 230)  # the head and the last layer
+        self.assertEqual(on_gpu(1), 30)  # the head alone
+        self.assertEqual(on_gpu(0), 0)
+        self.assertEqual(lora_bytes([adapter], facts, self.model, "cpu"), 4330)
 
 
 class LoraFixtureTests(SynchronousTestCase):

@@ -26,7 +26,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
 from rolemesh import __version__
-from rolemesh.config import BACKEND_NAMES, ModelConfig, NodeConfig
+from rolemesh.config import BACKEND_NAMES, LoraAdapter, ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.dispatcher import (
     REGISTERED,
@@ -71,6 +71,12 @@ DEVICES = (
     DeviceRef(backend="cpu", index=0, name="cpu:0", vendor="GenuineIntel", model="Xeon",
               memory_total_bytes=64 * 2**30, cpus=(0, 1, 2, 3)),
 )
+#: A node whose first model has two LoRA adapters (issue 28): each a model id of its own.
+ADAPTER_CONFIG = attr.evolve(CONFIG, models=(
+    attr.evolve(CONFIG.models[0], lora_adapters=(LoraAdapter("qwen-7b:sql", "/models/sql.gguf", 1.0),
+                                                 LoraAdapter("qwen-7b:terse", "/models/terse.gguf", 0.5))),
+    CONFIG.models[1],
+))
 
 
 def messages(events: Sequence[dict[str, Any]]) -> list[str]:
@@ -293,6 +299,24 @@ class PayloadTests(SynchronousTestCase):
                          ["chat.completions", "completions", "embeddings", "streaming"])
         self.assertEqual(tuple(payload["capabilities"]), CAPABILITIES)
 
+    def test_each_lora_adapter_is_a_served_model_of_its_own(self) -> None:
+        memory = {"qwen-7b": {"memory_estimate": {"total_bytes": 5 << 30}, "devices": ["cpu:0"],
+                              "fits_on": ["cpu:0"]}}
+        payload = registration_payload(ADAPTER_CONFIG, "cpu", DEVICES, "1", memory=memory)
+        REGISTRATION_SCHEMA.validate(payload)
+        served = payload["served_models"]
+        self.assertEqual([m["model_id"] for m in served], ["qwen-7b", "qwen-7b:sql", "qwen-7b:terse", "nomic-embed"])
+        base, sql = served[0], served[1]
+        self.assertEqual(sql, {"model_id": "qwen-7b:sql", "alias": None, "roles": [],
+                               "capabilities": base["capabilities"], "devices": ["cpu:0"], "fits_on": ["cpu:0"],
+                               "base_model": "qwen-7b"})
+        self.assertNotIn("base_model", base)
+        self.assertEqual(base["memory_estimate_bytes"], 5 << 30)  # the base's child holds the adapters
+        self.assertNotIn("/models/", json.dumps(payload))
+        without_memory = registration_payload(ADAPTER_CONFIG, "cpu", DEVICES, "1")["served_models"][2]
+        self.assertEqual(without_memory, {"model_id": "qwen-7b:terse", "alias": None, "roles": [],
+                                          "capabilities": base["capabilities"], "base_model": "qwen-7b"})
+
     def test_capabilities_follow_the_childs_command_line(self) -> None:
         # llama-server answers /v1/embeddings with 501 unless started with
         # --embeddings: a node whose models are not started so does not offer it.
@@ -412,6 +436,19 @@ class ScheduleTests(SynchronousTestCase):
         self.assertEqual((h.client.heartbeats_ok, h.client.heartbeats_failed), (3, 0))
         self.assertEqual(h.client.last_success, 15.0)
         self.assertEqual(h.results, [("register", True)] + [("heartbeat", True)] * 3)
+
+    def test_the_dispatcher_gets_the_adapter_model_ids(self) -> None:
+        class AdapterHarness(Harness):
+            def registration(self) -> dict[str, Any]:
+                return registration_payload(ADAPTER_CONFIG, "cpu", DEVICES, __version__)
+
+        h = AdapterHarness()
+        h.start()
+        body = h.fake.registrations[0].body
+        REGISTRATION_SCHEMA.validate(body)
+        self.assertEqual({m["model_id"]: m.get("base_model") for m in body["served_models"]},
+                         {"qwen-7b": None, "qwen-7b:sql": "qwen-7b", "qwen-7b:terse": "qwen-7b",
+                          "nomic-embed": None})
 
     def test_requests_are_json_posts_to_the_protocol_paths(self) -> None:
         h = Harness(base=BASE + "/")

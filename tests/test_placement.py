@@ -24,12 +24,12 @@ from rolemesh.backends.vulkan import VulkanBackend
 from rolemesh.cli import check_report, memory_report
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.errors import ConfigError
-from rolemesh.estimate import GGUFFacts
+from rolemesh.estimate import AdapterFacts, GGUFFacts
 from rolemesh.node import Lease, Node
 from rolemesh.service import check_service_config
 from rolemesh.supervisor import READY, STOPPED, STOPPING, DeviceSupervisor
 from tests.fakes import FakeBackend, FakeProbe, GroupSignals, ProcessReactor, make_config
-from tests.fixtures.tiny_gguf import write_tiny_gguf
+from tests.fixtures.tiny_gguf import write_tiny_gguf, write_tiny_lora
 
 GIB = 1 << 30
 
@@ -52,7 +52,7 @@ class Harness:
     """A node with gpu:0, gpu:1, gpu:2 (16 GiB each) and the group the models name."""
 
     def __init__(self, models: Sequence[Dict[str, Any]] = MODELS, facts: Optional[Dict[str, Any]] = None,
-                 read_facts: Any = None, **top: Any) -> None:
+                 read_facts: Any = None, read_adapter: Any = None, **top: Any) -> None:
         top.setdefault("llama_server_probe_interval_s", 0.5)
         top.setdefault("llama_server_stop_timeout_s", 5.0)
         self.config = make_config(models, **top)
@@ -75,7 +75,7 @@ class Harness:
         if facts is None:
             facts = {m.path: FACTS for m in self.config.models}
         self.node = Node(self.config, self.backend, self.backend.refs, supervisors, reactor=self.reactor,
-                         facts=facts, read_facts=read_facts)
+                         facts=facts, read_facts=read_facts, read_adapter=read_adapter)
 
     def model(self, model_id: str) -> Any:
         return self.config.model(model_id)
@@ -144,6 +144,53 @@ class TooLargeTests(SynchronousTestCase):
         self.assertEqual(estimate["total_bytes"], sum(estimate[k] for k in (
             "weights_bytes", "kv_cache_bytes", "compute_bytes", "reserve_bytes")))
         self.assertEqual(estimate["kv_cache_bytes"], 32 * 2 * 8 * 128 * 4096 * 2)
+
+
+class AdapterMemoryTests(SynchronousTestCase):
+    """A model's LoRA adapters count in its estimate: the inventory, /v1/models, model_too_large."""
+
+    ADAPTER = AdapterFacts(layer_bytes=(10 << 20,) * 32, output_bytes=5 << 20, other_bytes=7 << 20)
+
+    def harness(self, *paths: str) -> Harness:
+        adapters = [{"id": f"a:{i}", "path": path} for i, path in enumerate(paths)]
+        self.read: List[str] = []
+
+        def reader(path: str) -> Optional[AdapterFacts]:
+            self.read.append(path)
+            return None if "broken" in path else self.ADAPTER
+
+        return Harness(models=[{"model_id": "a", "ctx_size": 4096, "lora_adapters": adapters},
+                               {"model_id": "b", "ctx_size": 4096}], read_adapter=reader)
+
+    def test_the_adapters_on_the_device_count_in_the_estimate(self) -> None:
+        h = self.harness("/models/x.gguf", "/models/y.gguf")
+        models = {m["model_id"]: m["memory_estimate"] for m in h.node.inventory()["models"]}
+        per_adapter = 32 * (10 << 20) + (5 << 20)  # a gpu: every layer and the head, not the embeddings'
+        self.assertEqual(models["a"]["lora_bytes"], 2 * per_adapter)
+        self.assertEqual(models["a"]["total_bytes"] - models["b"]["total_bytes"], 2 * per_adapter)
+        self.assertEqual(models["b"]["lora_bytes"], 0)
+        self.assertEqual(sorted(set(self.read)), ["/models/x.gguf", "/models/y.gguf"])
+        h.node.inventory()
+        self.assertEqual(len(self.read), 2, "each adapter's header is read once")
+
+    def test_an_unreadable_adapter_is_left_out(self) -> None:
+        h = self.harness("/models/x.gguf", "/models/broken.gguf")
+        estimate = h.node.estimate_for(h.model("a"))
+        assert estimate is not None
+        self.assertEqual(estimate.lora_bytes, 32 * (10 << 20) + (5 << 20))
+
+    def test_adapters_can_make_a_model_too_large(self) -> None:
+        need = Harness(models=[{"model_id": "a", "ctx_size": 4096}]).node.estimate_for(
+            make_config([{"model_id": "a", "ctx_size": 4096}]).model("a"))
+        assert need is not None
+        room = 16 * GIB - need.total_bytes  # what one 16 GiB device has left beside the bare model
+        big = AdapterFacts(layer_bytes=(room // 32 + 1,) * 32)
+        h = Harness(models=[{"model_id": "a", "ctx_size": 4096, "lora_adapters": [{"id": "a:x", "path": "/x.gguf"}]}],
+                    read_adapter=lambda path: big)
+        error = h.node.too_large(h.model("a"))
+        assert error is not None
+        self.assertEqual(error.code, "model_too_large")
+        self.assertIn("LoRA adapters", error.message)
 
 
 class ReloadTests(SynchronousTestCase):
@@ -442,6 +489,23 @@ class CheckReportTests(SynchronousTestCase):
         self.assertTrue(lines[5].startswith("# WARNING: wide: needs an estimated 18.00 GiB"), lines[5])
         self.assertIn("cpu:0+cpu:1, has 16.00 GiB in total", lines[5])
         self.assertTrue(lines[6].startswith("gone: no estimate ("), lines[6])
+
+    def test_lora_adapters_are_in_the_estimate(self) -> None:
+        directory = self.mktemp()
+        os.makedirs(directory)
+        path = write_tiny_gguf(os.path.join(directory, "t.gguf"))
+        lora = write_tiny_lora(os.path.join(directory, "l.gguf"), seed=3, rank=4)
+        config = make_config([
+            {"model_id": "tiny", "path": path, "lora_adapters": [{"id": "tiny:l", "path": lora}]},
+            {"model_id": "bad", "path": path, "lora_adapters": [{"id": "bad:l", "path": path}]},
+        ])
+        refs = [DeviceRef("cpu", 0, "cpu:0", memory_total_bytes=16 * GIB, cpus=(0,))]
+        out = io.StringIO()
+        memory_report(config, "cpu", refs, out)
+        lines = out.getvalue().splitlines()
+        self.assertRegex(lines[2], r"^tiny: .*, LoRA adapters 0\.\d MiB, reserve .*; fits on cpu:0$")
+        self.assertTrue(lines[3].startswith("bad: no estimate ("), lines[3])
+        self.assertIn("not a LoRA adapter", lines[3])
 
 
 class CheckCommandTests(SynchronousTestCase):

@@ -18,7 +18,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from rolemesh.config import TOP_LEVEL_KEYS, NodeConfig
 from rolemesh.node import Lease
 from rolemesh.readiness import decide
-from rolemesh.reload import LIVE_KEYS, RESTART_KEYS, ReloadResult, effective, needs_new_child, plan
+from rolemesh.reload import LIVE_KEYS, RESTART_KEYS, ReloadResult, effective, leaving, needs_new_child, plan
 from rolemesh.supervisor import READY, STOPPED, STOPPING
 from tests.fakes import make_config
 from tests.service_harness import ServiceHarness
@@ -45,6 +45,16 @@ def base(**top: Any) -> Dict[str, Any]:
 
 # ----------------------------------------------------------------------
 # Pure decisions
+
+
+class LeavingTests(SynchronousTestCase):
+    def test_the_pending_models_a_config_no_longer_has_once_each_in_order(self) -> None:
+        config = make_config(models=[{"model_id": "a"}])
+        before = make_config(models=[{"model_id": "a"}, {"model_id": "b"}, {"model_id": "c"}])
+        gone_b, gone_c, kept = (before.model(i) for i in ("b", "c", "a"))
+        self.assertEqual(leaving(config, [gone_c, kept, gone_b, gone_c, gone_b]), (gone_c, gone_b))
+        self.assertEqual(leaving(config, [kept]), ())
+        self.assertEqual(leaving(config, []), ())
 
 
 class PlanTests(SynchronousTestCase):
@@ -271,6 +281,56 @@ class ReloadTests(ServiceTestCase):
         self.assertEqual(self.h.root.node.supervisors["gpu:0"].state, READY)
         lease.release()
         self.assertIn(signal.SIGTERM, child.signals)
+
+    def listed(self, h: ServiceHarness) -> Dict[str, Any]:
+        code, body = h.call("GET", "/v1/models", key=KEY)
+        self.assertEqual(code, 200, body)
+        return {m["id"]: m for m in body["data"]}
+
+    def test_removed_model_stays_listed_while_its_request_runs_then_leaves(self) -> None:
+        # Issue 28: a model that disappears leaves /v1/models once idle, not at once.
+        lease = self.acquire(self.h, "b")
+        self.write(models=[{"model_id": "a", "ctx_size": 512}])
+        self.reload(self.h)
+        listed = self.listed(self.h)
+        self.assertEqual(list(listed), ["a", "b"])
+        self.assertIs(listed["b"]["leaving"], True)
+        self.assertNotIn("leaving", listed["a"])
+        self.assertEqual(listed["b"]["loaded_on"], ["gpu:0"])
+        self.assertEqual(self.h.call("POST", "/v1/chat/completions", {"model": "b"}, key=KEY)[0], 404)
+        lease.release()
+        self.assertEqual(self.model_ids(self.h), ["a"])
+
+    def test_removed_model_stays_listed_while_a_request_for_it_waits(self) -> None:
+        first = self.acquire(self.h, "b")
+        child = self.h.live_children()[0]
+        waiting: List[Any] = []
+        self.h.root.node.acquire(self.h.root.config.model("b")).addBoth(waiting.append)
+        self.assertEqual(waiting, [])  # queued behind the first (one slot)
+        self.write(models=[{"model_id": "a", "ctx_size": 512}])
+        self.reload(self.h)
+        first.release()
+        self.assertEqual(list(self.listed(self.h)), ["a", "b"])
+        self.assertTrue(waiting and isinstance(waiting[0], Lease), waiting)  # it runs on the same child
+        self.assertEqual((waiting[0].endpoint.model_id, child.signals), ("b", []))
+        self.assertEqual(list(self.listed(self.h)), ["a", "b"])
+        waiting[0].release()
+        self.assertEqual(self.model_ids(self.h), ["a"])
+        self.assertIn(signal.SIGTERM, child.signals)
+
+    def test_removed_model_admitted_at_once_is_listed_until_released(self) -> None:
+        self.acquire(self.h, "b").release()
+        node = self.h.root.node
+        lease = node.lease_now(self.h.root.config.model("b"))
+        assert lease is not None
+        self.assertIsNone(lease.ticket.context)  # the fast admission: no _Acquisition behind it
+        self.write(models=[{"model_id": "a", "ctx_size": 512}])
+        self.reload(self.h)
+        self.assertEqual([m.model_id for m in node.leaving_models()], ["b"])
+        self.assertEqual(list(self.listed(self.h)), ["a", "b"])
+        lease.release()
+        self.assertEqual(node.leaving_models(), ())
+        self.assertEqual(self.model_ids(self.h), ["a"])
 
     def test_changed_command_restarts_on_next_use_once_idle(self) -> None:
         lease = self.acquire(self.h, "a")
