@@ -89,7 +89,8 @@ class Admission(UsesReactor[IReactorTime]):
         try:
             ticket = self._scheduler.submit(model.model_id, model.parallel, device, context=request,
                                             lanes=lanes, need=need, share=share, prefer=prefer,
-                                            max_imbalance=config.prefix_affinity_max_imbalance)
+                                            max_imbalance=config.prefix_affinity_max_imbalance,
+                                            replicas=model.max_replicas)
         except QueueFull:
             self._emit("queue_full", model=model.model_id)
             where = f"device {device}" if device else "every device that can take it"
@@ -124,7 +125,8 @@ class Admission(UsesReactor[IReactorTime]):
         ticket = self._scheduler.admit(model.model_id, model.parallel, lanes, need,
                                        ready=lambda lane: supervisors[lane].serving(model) is not None,
                                        share=share, prefer=prefer,
-                                       max_imbalance=self._config().prefix_affinity_max_imbalance)
+                                       max_imbalance=self._config().prefix_affinity_max_imbalance,
+                                       replicas=model.max_replicas)
         if ticket is None:
             return None  # acquire() looks the prefix up again: a rare second lookup
         supervisor = supervisors[ticket.device]  # type: ignore[index]

@@ -88,6 +88,14 @@ class DeviceTimers(UsesReactor[IReactorTime]):
         if not self._is_idle(device) or supervisor.state != READY:
             return
         assert supervisor.model is not None
+        model = supervisor.model
+        if model.min_replicas > 1:
+            copies = sum(1 for s in self._supervisors.values()
+                         if s.state == READY and s.model is not None and s.model.model_id == model.model_id)
+            if copies <= model.min_replicas:
+                log.info("keeping {model} on {device} though idle: {copies} of min_replicas {least}",
+                         model=model.model_id, device=device, copies=copies, least=model.min_replicas)
+                return
         log.info("unloading {model} from {device}: idle", model=supervisor.model.model_id, device=device)
         self._emit("idle_unload", device=device, model=supervisor.model.model_id)
         supervisor.stop()

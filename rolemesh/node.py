@@ -168,7 +168,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         self.sampler.start()
         for model in self.config.models:
             if model.preload:
-                self._startup_preload(self.preload(model))
+                for device in self.preload_targets(model):
+                    self._startup_preload(self.preload(model, device))
         for model_id, device in self.config.preload:
             self._startup_preload(self.preload(self.config.model(model_id), device))
 
@@ -179,6 +180,17 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             self.preloading -= 1
 
         d.addBoth(done)
+
+    def preload_targets(self, model: ModelConfig) -> List[Optional[str]]:
+        """Where a ``preload: true`` model loads at start-up: anywhere (the
+        scheduler's choice) for one replica; for ``min_replicas`` of them,
+        that many of its devices, those no ``preload`` entry names first."""
+        if model.min_replicas <= 1:
+            return [None]
+        named = {device for _, device in self.config.preload}
+        lanes = self.placement.lanes_for(model)
+        ordered = [lane for lane in lanes if lane not in named] + [lane for lane in lanes if lane in named]
+        return list(ordered[:model.min_replicas])
 
     def preload(self, model: ModelConfig, device: Optional[str] = None) -> "Deferred[Optional[str]]":
         """Load ``model`` as a request would, then release the device at once."""

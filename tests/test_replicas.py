@@ -46,3 +46,56 @@ class ConfigTests(SynchronousTestCase):
         ]
         for entry, message in cases:
             self.assertEqual(error(entry), message)
+
+
+class NodeReplicaTests(SynchronousTestCase):
+    """Through the node (real supervisors, fake children, a Clock)."""
+
+    def started(self, models, devices=2, **top):
+        from tests.test_node import NodeHarness
+
+        h = NodeHarness(models, devices=devices, **top)
+        h.node.startService()
+        self.addCleanup(lambda: h.node.running and h.node.stopService())
+        return h
+
+    def test_min_replicas_preloads_on_that_many_devices(self) -> None:
+        h = self.started([{"model_id": "a", "preload": True, "min_replicas": 2}], devices=3)
+        h.answer("a")
+        self.assertEqual([h.model_on(f"gpu:{i}") for i in range(3)], ["a", "a", None])
+        self.assertEqual(h.node.preloading, 0)
+
+    def test_preload_targets_skip_devices_another_preload_names(self) -> None:
+        h = self.started([{"model_id": "a", "min_replicas": 2}, {"model_id": "b"}], devices=3,
+                         preload=[{"model": "b", "device": "gpu:0"}])
+        self.assertEqual(h.node.preload_targets(h.model("a")), ["gpu:1", "gpu:2"])
+        self.assertEqual(h.node.preload_targets(h.model("b")), [None])
+
+    def test_idle_unload_keeps_min_replicas(self) -> None:
+        h = self.started([{"model_id": "a", "preload": True, "min_replicas": 2}], devices=3, idle_unload_s=60)
+        h.answer("a")
+        h.reactor.advance(120)
+        self.assertEqual([h.model_on(f"gpu:{i}") for i in range(2)], ["a", "a"])
+        self.assertEqual([e for e in h.events if e[0] == "idle_unload"], [])
+
+    def test_a_request_that_would_wait_scales_out_under_max_replicas(self) -> None:
+        h = self.started([{"model_id": "a", "max_replicas": 2}], devices=3)
+        first = h.node.acquire(h.model("a"))
+        second = h.node.acquire(h.model("a"))
+        third = h.node.acquire(h.model("a"))
+        h.answer("a")
+        leases = []
+        for d in (first, second):
+            d.addCallback(leases.append)
+        self.assertEqual(sorted(lease.device for lease in leases), ["gpu:0", "gpu:1"])
+        self.assertFalse(third.called, "at its cap: it waits for a copy")
+        self.assertIsNone(h.model_on("gpu:2"))
+
+    def test_without_max_replicas_the_second_request_waits_on_the_first_device(self) -> None:
+        h = self.started([{"model_id": "a"}], devices=2)
+        first = h.node.acquire(h.model("a"))
+        second = h.node.acquire(h.model("a"))
+        h.answer("a")
+        self.assertTrue(first.called)
+        self.assertFalse(second.called)
+        self.assertIsNone(h.model_on("gpu:1"))
