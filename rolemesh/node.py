@@ -41,14 +41,14 @@ from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.events import Events
 from rolemesh.fairqueue import DEFAULT_SHARE, Share
 from rolemesh.interfaces import IDeviceBackend, IHTTPClientReactor
-from rolemesh.leases import Acquisition, Lease, LeaseStarts, refuse_waiting
+from rolemesh.leases import Lease, LeaseStarts, refuse_waiting
 from rolemesh.node_events import NodeFeed
 from rolemesh.node_views import NodeViews
 from rolemesh.placement import Placement
 from rolemesh.prefix import PrefixMemory
 from rolemesh.prompt_cache import PromptCacheTally
 from rolemesh.readahead import ReadAhead
-from rolemesh.reload import leaving, needs_new_child
+from rolemesh.reload import needs_new_child
 from rolemesh.scheduler import Scheduler
 from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor, StateChange
 from rolemesh.telemetry import TelemetrySampler
@@ -182,15 +182,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         d.addBoth(done)
 
     def preload_targets(self, model: ModelConfig) -> List[Optional[str]]:
-        """Where a ``preload: true`` model loads at start-up: anywhere (the
-        scheduler's choice) for one replica; for ``min_replicas`` of them,
-        that many of its devices, those no ``preload`` entry names first."""
-        if model.min_replicas <= 1:
-            return [None]
-        named = {device for _, device in self.config.preload}
-        lanes = self.placement.lanes_for(model)
-        ordered = [lane for lane in lanes if lane not in named] + [lane for lane in lanes if lane in named]
-        return list(ordered[:model.min_replicas])
+        """Where a ``preload: true`` model loads (see :meth:`Placement.preload_targets`)."""
+        return self.placement.preload_targets(model)
 
     def preload(self, model: ModelConfig, device: Optional[str] = None) -> "Deferred[Optional[str]]":
         """Load ``model`` as a request would, then release the device at once."""
@@ -237,18 +230,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         return (loaded or serving)[0]
 
     def leaving_models(self) -> Tuple[ModelConfig, ...]:
-        """Models a reload removed whose requests still run or wait here
-        (listed until they are done: :func:`rolemesh.reload.leaving`)."""
-        pending = []
-        for name, book in self.scheduler.devices.items():
-            held = self.supervisors[name].model
-            for ticket in (*book.running, *book.queue):
-                request = ticket.context
-                if isinstance(request, Acquisition):
-                    pending.append(request.model)
-                elif held is not None and ticket.model_id == held.model_id:
-                    pending.append(held)  # admitted at once (lease_now) on the child of this record
-        return leaving(self.config, pending)
+        """Removed models still busy here (see :meth:`NodeViews.leaving_models`)."""
+        return self.views.leaving_models()
 
     # -- requests (rolemesh.admission, rolemesh.leases, rolemesh.drain) ------------------
 

@@ -6,18 +6,20 @@ only: nothing here changes the node.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from twisted.internet.interfaces import IReactorTime
 
 from rolemesh import chat_templates
-from rolemesh.config import NodeConfig
+from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.devices import DeviceMetrics, DeviceRef
 from rolemesh.event_loop.reactor import UsesReactor
+from rolemesh.leases import Acquisition
 from rolemesh.payloads import device_state
 from rolemesh.placement import Placement
 from rolemesh.prefix import PrefixMemory
 from rolemesh.prompt_cache import PromptCacheTally
+from rolemesh.reload import leaving
 from rolemesh.scheduler import Scheduler
 from rolemesh.supervisor import STARTING, DeviceSupervisor
 from rolemesh.telemetry import ChildTelemetry, device_issues, load_progress
@@ -95,6 +97,20 @@ class NodeViews(UsesReactor[IReactorTime]):
             entry["group"] = self._group_on(device.name)
             out.append(entry)
         return out
+
+    def leaving_models(self) -> Tuple[ModelConfig, ...]:
+        """Models a reload removed whose requests still run or wait here
+        (listed until they are done: :func:`rolemesh.reload.leaving`)."""
+        pending = []
+        for name, book in self._scheduler.devices.items():
+            held = self._supervisors[name].model
+            for ticket in (*book.running, *book.queue):
+                request = ticket.context
+                if isinstance(request, Acquisition):
+                    pending.append(request.model)
+                elif held is not None and ticket.model_id == held.model_id:
+                    pending.append(held)  # admitted at once (lease_now) on the child of this record
+        return leaving(self._config(), pending)
 
     def inventory(self) -> Dict[str, Any]:
         config = self._config()

@@ -77,6 +77,17 @@ class Placement:
             return [group_name(model.devices)]
         return [d.name for d in self._devices()]
 
+    def preload_targets(self, model: ModelConfig) -> List[Optional[str]]:
+        """Where a ``preload: true`` model loads at start-up: anywhere (the
+        scheduler's choice) for one replica; for ``min_replicas`` of them,
+        that many of its devices, those no ``preload`` entry names first."""
+        if model.min_replicas <= 1:
+            return [None]
+        named = {device for _, device in self._config().preload}
+        lanes = self.lanes_for(model)
+        ordered = [lane for lane in lanes if lane not in named] + [lane for lane in lanes if lane in named]
+        return list(ordered[:model.min_replicas])
+
     def _members(self, lane: str) -> List[DeviceRef]:
         names = self._groups.get(lane, [lane])
         return [d for d in self._devices() if d.name in names]
