@@ -180,7 +180,7 @@ class ReloadUnderLoadTests(SynchronousTestCase):
     def models(self, agent: AgentProcess, key: str) -> List[str]:
         status, _, raw = agent.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
         self.assertEqual(status, 200, raw)
-        return [m["id"] for m in json.loads(raw)["data"]]
+        return [m["id"] + (" (leaving)" if m.get("leaving") else "") for m in json.loads(raw)["data"]]
 
     def test_reload_under_load_loses_no_request(self) -> None:
         fake = FakeDispatcherProcess(self.dispatcher_port, token=TOKEN, log_path=f"{self.dir}/dispatcher.log")
@@ -232,7 +232,8 @@ class ReloadUnderLoadTests(SynchronousTestCase):
             self.assertEqual(body["models"]["restart_on_next_use"], ["a"])
             self.assertIn("listen_port", body["needs_restart"])
             self.assertIn("needs a restart", agent.log_text())
-            self.assertEqual(self.models(agent, KEY_1), ["a", "c"])
+            # b leaves /v1/models once idle: while its request runs it is listed as leaving.
+            self.assertEqual(self.models(agent, KEY_1), ["a", "c", "b (leaving)"])
             self.assertTrue(pid_alive(b_child), "b's child stopped under its request")
             os.kill(b_child, signal.SIGCONT)
             resumed = True
@@ -242,6 +243,7 @@ class ReloadUnderLoadTests(SynchronousTestCase):
             if not resumed:
                 os.kill(b_child, signal.SIGCONT)
         wait_until(lambda: not pid_alive(b_child), 20, what="b's child gone once idle")
+        self.assertEqual(self.models(agent, KEY_1), ["a", "c"])
 
         # The new model answers; a restarted with its new command.
         status, _, raw = agent.request("POST", "/v1/chat/completions", chat("c"),
