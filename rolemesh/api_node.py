@@ -79,8 +79,10 @@ class NodeRoutes:
     def models(self, request: IRequest) -> bytes:
         self._keys.authorize(request)
         data = []
-        leaving = self.node.leaving_models()  # removed by a reload, still busy: listed until idle
-        for model in (*self.config.models, *leaving):
+        listed = [(model, False) for model in self.config.models]
+        # Removed by a reload but still busy: listed (as leaving) until idle.
+        listed.extend((model, True) for model in self.node.leaving_models())
+        for model, leaving in listed:
             where = self.node.loaded_on(model.model_id)
             entry = {
                 "id": model.model_id,
@@ -96,7 +98,7 @@ class NodeRoutes:
             entry.update({k: v for k, v in self.node.model_memory(model).items() if k != "model_id"})
             if model.alias:
                 entry["aliases"] = [model.alias]
-            if model in leaving:
+            if leaving:
                 entry["leaving"] = True
             data.append(entry)
             data.extend(adapter_entries(entry, model))

@@ -214,17 +214,17 @@ class Scheduler:
             raise QueueFull(model_id)
         holding = [b for b in room if b.model == model_id]
         cap = replicas if only is None else None  # an operator's pin is not a replica decision
-        claimed = self._claimed(model_id, books) if cap is not None else []
         if holding:
             chosen = None
             if prefer is not None and len(holding) > 1:
                 chosen = affine_choice({b.name: b.pending for b in holding}, prefer, max_imbalance)
             book = self.devices[chosen] if chosen is not None else min(holding, key=lambda b: (b.pending, b.order))
-            if cap is not None and book.pending >= book.slots and len(claimed) < cap:
+            if cap is not None and book.pending >= book.slots and len(self._claimed(model_id, books)) < cap:
                 spare = self._spare(room, need)
                 if spare is not None:
                     return spare  # scale out: a copy on an idle lane rather than a wait
             return book
+        claimed = self._claimed(model_id, books) if cap is not None else []
         if cap is not None and len(claimed) >= cap:
             # As many lanes as it may hold have it (or a switch to it queued):
             # one of those with room, else 429.
