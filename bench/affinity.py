@@ -14,7 +14,8 @@ prompt tokens came from its cache (``timings.cache_n``) and how many it
 processed (``prompt_n``): printed as the cached share.
 
 Flood (``--flood-rounds`` rounds, the phases rotating): tenant A keeps
-``--flood`` requests in flight (``--a-tokens`` tokens each), tenant B sends
+``--flood`` requests in flight (``--a-tokens`` tokens each; from a process
+of its own, on keep-alive connections, as another client would), tenant B sends
 one request at a time (``--b-tokens`` tokens).  Phases: B alone; the flood
 with B as its own tenant (fair queueing); the flood with B sending on A's key
 (one tenant: first come, first served, as before fair shares).  B sends one
@@ -36,6 +37,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -162,31 +164,55 @@ def affinity_round(args: argparse.Namespace, seed: int) -> List[Tuple[int, float
     return out
 
 
+def flood_client(port: int, key: str, flood: int, tokens: int) -> int:
+    """Tenant A's own process: ``flood`` requests in flight, each on a
+    keep-alive connection of its own (as a client library keeps them), until
+    stdin closes; one line per finished request (``time.monotonic()``, which
+    every process on the host shares).  Its own process, so that its threads
+    never hold the GIL that tenant B's timing needs."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say something about rivers."}],
+                       "max_tokens": tokens, "temperature": 0, "ignore_eos": True}).encode()
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+    lock = threading.Lock()
+
+    def loop() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        while True:
+            try:
+                conn.request("POST", "/v1/chat/completions", body, headers)
+                resp = conn.getresponse()
+                resp.read()
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+                continue
+            if resp.status == 200:
+                with lock:
+                    sys.stdout.write(f"{time.monotonic()}\n")
+                    sys.stdout.flush()
+
+    for _ in range(flood):
+        threading.Thread(target=loop, daemon=True).start()
+    sys.stdin.read()  # until the benchmark closes it
+    return 0
+
+
 def flood_phase(args: argparse.Namespace, phase: str) -> Tuple[List[float], float, List[float]]:
     """B's latencies, A's completed requests per second (0 without A), and
     llama-server's own time for each of B's requests."""
-    stop = threading.Event()
-    a_done: List[float] = []
-    short = [{"role": "user", "content": "Say something about rivers."}]
-
-    def tenant_a() -> None:
-        while not stop.is_set():
-            status, _, _, _, _, _ = post(args.port, {"model": MODEL, "messages": short, "max_tokens": args.a_tokens,
-                                                     "temperature": 0, "ignore_eos": True}, KEYS["a"], False)
-            if status == 200:
-                a_done.append(time.perf_counter())
-
-    flooders = [threading.Thread(target=tenant_a) for _ in range(args.flood if phase != "alone" else 0)]
-    for t in flooders:
-        t.start()
-    time.sleep(2.0 if flooders else 0.0)  # the flood fills the queues first
+    flooder = None
+    if phase != "alone":
+        flooder = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--flood-client", str(args.port), KEYS["a"], str(args.flood),
+             str(args.a_tokens)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        time.sleep(2.0)  # the flood fills the queues first
     b_key = KEYS["a"] if phase == "one-tenant" else KEYS["b"]
     latencies: List[float] = []
     served: List[float] = []
-    began = time.perf_counter()
+    began = time.monotonic()
     for i in range(args.b_requests):
-        wait = began + i * args.b_period - time.perf_counter()
-        if wait > 0 and flooders:  # one at a time, one per --b-period: the same work for B in every phase
+        wait = began + i * args.b_period - time.monotonic()
+        if wait > 0 and flooder:  # one at a time, one per --b-period: the same work for B in every phase
             time.sleep(wait)
         status, _, total, _, timings, _ = post(
             args.port, {"model": MODEL, "messages": [{"role": "user", "content": f"Name a colour ({i})."}],
@@ -196,14 +222,15 @@ def flood_phase(args: argparse.Namespace, phase: str) -> Tuple[List[float], floa
         latencies.append(total)
         # llama-server's own time for it (prompt + generation): the rest is waiting (queue, relay).
         served.append((float(timings.get("prompt_ms") or 0) + float(timings.get("predicted_ms") or 0)) / 1000)
-    rest = began + args.b_requests * args.b_period - time.perf_counter()
-    if rest > 0 and flooders:  # A's window is the same length in every phase
+    rest = began + args.b_requests * args.b_period - time.monotonic()
+    if rest > 0 and flooder:  # A's window is the same length in every phase
         time.sleep(rest)
-    ended = time.perf_counter()
-    stop.set()
-    for t in flooders:
-        t.join()
-    throughput = len([t for t in a_done if began <= t <= ended]) / (ended - began)
+    ended = time.monotonic()
+    throughput = 0.0
+    if flooder is not None:
+        out, _ = flooder.communicate("")  # closes its stdin: it stops
+        finished = [float(line) for line in out.split()]
+        throughput = len([t for t in finished if began <= t <= ended]) / (ended - began)
     return latencies, throughput, served
 
 
@@ -325,7 +352,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="slots per device for the flood (default 1: the agent's queue decides the order)")
     parser.add_argument("--verbose", action="store_true", help="print each conversation turn")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--flood-client", nargs=4, metavar=("PORT", "KEY", "FLOOD", "TOKENS"),
+                        help=argparse.SUPPRESS)  # tenant A's process (flood_client)
     args = parser.parse_args(argv)
+    if args.flood_client:
+        port, key, flood, tokens = args.flood_client
+        return flood_client(int(port), key, int(flood), int(tokens))
     return run_in_workdir(run, args, "affinity-")
 
 

@@ -16,7 +16,7 @@ becomes a lease; release, check and retry), :mod:`rolemesh.drain`,
 :mod:`rolemesh.device_sampling` (the metrics tick) and
 :mod:`rolemesh.node_views` (inventory, device and group states).  What is
 left here is the wiring, the supervisors' state changes, start-up preloads
-and reloads.
+and reloads (adopted by :mod:`rolemesh.config_adoption`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from twisted.python.failure import Failure
 from rolemesh import errors
 from rolemesh.admission import Admission
 from rolemesh.config import ModelConfig, NodeConfig
+from rolemesh.config_adoption import ConfigAdoption
 from rolemesh.device_sampling import METRICS_INTERVAL_S, METRICS_TIMEOUT_S, DeviceSampler
 from rolemesh.device_timers import DeviceTimers
 from rolemesh.devices import DeviceMetrics, DeviceRef
@@ -123,8 +124,9 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         self.admission = Admission(self.scheduler, self.supervisors, current, self.placement.placement,
                                    self.prefixes, draining, self.loaded_on, lambda model: self.read_ahead.warm(model),
                                    self._request_started, self.leases.release, emit, reactor=reactor)
-        #: device -> (config, model) that _retire_if_removed found still wanted.
-        self._kept: Dict[str, Tuple[NodeConfig, str]] = {}
+        #: What a reload changes in the running children (rolemesh.config_adoption).
+        self.adoption = ConfigAdoption(self.supervisors, self.scheduler, self.prefixes, current,
+                                       self.placement.lanes_for, self.placement.forget, self.timers.cancel_idle)
         #: Start-up preloads not finished yet (``GET /ready`` waits for them).
         self.preloading = 0
         #: The children's own telemetry, sampled on the metrics interval.
@@ -278,7 +280,7 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         """A ticket ended on ``device``."""
         self.drainer.quiet()
         if self.scheduler.is_idle(device):
-            if self._retire_if_removed(device):
+            if self.adoption.retire_if_removed(device):
                 return
             self.timers.device_quiet(device)
 
@@ -319,43 +321,10 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         so the next request for it is a switch: it waits for the requests in
         flight, then restarts the child with the new command.  Other changes
         (roles, idle_unload_s) are adopted by the running child as it is.
+        (:mod:`rolemesh.config_adoption`.)
         """
         self.config = config
-        self.placement.forget()
-        self.prefixes.resize(config.prefix_memory_entries if config.prefix_affinity else 0)
-        self.scheduler.pending_limit = config.max_pending_requests_per_device
-        current = {m.model_id: m for m in config.models}
-        for name, supervisor in self.supervisors.items():
-            held = supervisor.model
-            if held is None:
-                continue
-            new = current.get(held.model_id)
-            if new is not None and not needs_new_child(held, new):
-                supervisor.model = new  # same command line: the running child serves it as is
-            elif self.scheduler.devices[name].model == held.model_id:
-                self.scheduler.model_unloaded(name, held.model_id)
-            if self.scheduler.is_idle(name):
-                self._retire_if_removed(name)
-
-    def _retire_if_removed(self, device: str) -> bool:
-        """Stop an idle device's child whose model left the config, or may no
-        longer run there (a reload gave it other ``devices``)."""
-        supervisor = self.supervisors[device]
-        held = supervisor.loading_or_loaded
-        if held is None:
-            return False
-        kept = self._kept.get(device)
-        if kept is not None and kept[0] is self.config and kept[1] == held:
-            return False  # already found still wanted under this config (asked after every request)
-        current = next((m for m in self.config.models if m.model_id == held), None)
-        if current is not None and device in self.placement.lanes_for(current):
-            self._kept[device] = (self.config, held)
-            return False
-        why = "removed from the configuration" if current is None else "moved to other devices"
-        log.info("unloading {model} from {device}: {why}", model=held, device=device, why=why)
-        self.timers.cancel_idle(device)
-        supervisor.stop()
-        return True
+        self.adoption.adopt(config)
 
     # -- supervisor events -------------------------------------------------------------
 
