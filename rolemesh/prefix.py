@@ -34,17 +34,24 @@ def prefix_hashes(payload: Mapping[str, Any]) -> List[int]:
     which repeats the earlier messages, shares the earlier turn's hashes.
     Completions: one after each :data:`BLOCK_CHARS` characters of the prompt
     (and its end).  Python's ``hash`` of a tuple: C speed, computed once per
-    string; stable within the process, which is all the memory needs."""
+    string; stable within the process, which is all the memory needs.
+    Total: any JSON body gives a list (it runs before the body is checked
+    by llama-server)."""
     out: List[int] = []
     h = 0
     messages = payload.get("messages")
     if isinstance(messages, list):
         for message in messages[:MAX_HASHES]:
             if isinstance(message, dict):
-                content = message.get("content")
+                role, content = message.get("role"), message.get("content")
+                # Anything but a string (a list of parts, or a client's
+                # mistake that llama-server will refuse) by its repr: a hash
+                # of a dict or a list would raise.
                 if not isinstance(content, str):
-                    content = repr(content)  # a list of parts: rare, still cheap
-                h = hash((h, message.get("role"), content))
+                    content = repr(content)
+                if not isinstance(role, str):
+                    role = repr(role)
+                h = hash((h, role, content))
             else:
                 h = hash((h, repr(message)))
             out.append(h)

@@ -204,9 +204,18 @@ good_objects = st.builds(
     st.dictionaries(st.sampled_from(["messages", "prompt", "input", "stream", "max_tokens", "x"]), json_values,
                     max_size=3),
 )
+#: Chat requests whose messages hold any JSON where strings belong (the
+#: prefix hashes of a model on two devices read every message).
+odd_chats = st.builds(
+    lambda model, messages: {"model": model, "messages": messages},
+    known_models,
+    st.lists(st.one_of(st.dictionaries(st.sampled_from(["role", "content", "name"]), json_values, max_size=3),
+                       json_values), max_size=4),
+)
 #: (method, path, body): mostly well-formed, so requests get past routing and auth.
 requests = st.one_of(
     st.tuples(st.just("POST"), st.sampled_from(PROXIED), good_objects.map(encode_json)),
+    st.tuples(st.just("POST"), st.just("/v1/chat/completions"), odd_chats.map(encode_json)),
     st.tuples(st.just("POST"), st.sampled_from(PROXIED), bodies),
     st.tuples(st.sampled_from(["GET", "HEAD"]), st.sampled_from(GET_ROUTES + NEAR_MISSES + TRAVERSAL), st.none()),
     st.tuples(methods, paths, bodies),
@@ -292,19 +301,23 @@ class FuzzApiTests(SynchronousTestCase):
         self.assertEqual(json.loads(body)["model"], "a")
 
     @settings(max_examples=400)
-    @example(request=("POST", "/v1/chat/completions", b"[" * 3000), auth=RIGHT_KEY, headers={}, fast=True)
-    @example(request=("POST", "/v1/chat/completions", b"[" * 3000), auth=RIGHT_KEY, headers={}, fast=False)
-    @example(request=("GET", "/v1/node/devices/%ff/logs", None), auth=RIGHT_KEY, headers={}, fast=True)
-    @example(request=("GET", "/v1/models", None), auth=RIGHT_KEY, headers={b"host": b"\xff"}, fast=True)
+    @example(request=("POST", "/v1/chat/completions", b"[" * 3000), auth=RIGHT_KEY, headers={}, fast=True, devices=1)
+    @example(request=("POST", "/v1/chat/completions", b"[" * 3000), auth=RIGHT_KEY, headers={}, fast=False, devices=1)
+    @example(request=("GET", "/v1/node/devices/%ff/logs", None), auth=RIGHT_KEY, headers={}, fast=True, devices=1)
+    @example(request=("GET", "/v1/models", None), auth=RIGHT_KEY, headers={b"host": b"\xff"}, fast=True, devices=1)
     @example(request=("POST", "/v1/chat/completions", b'{"model": "b", "stream": true}'),
-             auth=RIGHT_KEY, headers={b"x-request-id": b"\xff\xfe"}, fast=True)
+             auth=RIGHT_KEY, headers={b"x-request-id": b"\xff\xfe"}, fast=True, devices=1)
     @example(request=("POST", "/v1/embeddings", b'{"model": "emb", "input": "x"}'),
-             auth=RIGHT_KEY, headers={b"host": b"\xff"}, fast=True)
-    @given(request=requests, auth=authorization, headers=extra_headers, fast=st.booleans())
+             auth=RIGHT_KEY, headers={b"host": b"\xff"}, fast=True, devices=1)
+    @example(request=("POST", "/v1/chat/completions", b'{"model": "a", "messages": [{"role": {"x": 1}}]}'),
+             auth=RIGHT_KEY, headers={}, fast=True, devices=2)
+    @given(request=requests, auth=authorization, headers=extra_headers, fast=st.booleans(),
+           devices=st.sampled_from([1, 2]))
     def test_api_never_breaks(self, request: Tuple[str, str, Optional[bytes]], auth: Optional[bytes],
-                              headers: Dict[bytes, bytes], fast: bool) -> None:
+                              headers: Dict[bytes, bytes], fast: bool, devices: int) -> None:
+        """One device, or two (a model on both: prefix affinity hashes the prompt)."""
         method, path, body = request
-        harness = ApiHarness(keys=(KEY,), devices=1, max_request_body_bytes=4096)
+        harness = ApiHarness(keys=(KEY,), devices=devices, max_request_body_bytes=4096)
         node_h = harness.node_h
         node_h.probe.ready = {"alpha", "b", "emb"}  # every child answers its probe once started
         node_h.load("a")

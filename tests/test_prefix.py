@@ -12,6 +12,21 @@ messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "u
                                            "content": st.text(max_size=40)}), min_size=1, max_size=8)
 
 
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+#: Bodies shaped like a chat or completions request, with any JSON where a string belongs.
+odd_bodies = st.one_of(
+    st.fixed_dictionaries({"messages": st.lists(
+        st.dictionaries(st.sampled_from(["role", "content", "name"]), json_values, max_size=3) | json_values,
+        max_size=4)}),
+    st.fixed_dictionaries({"prompt": json_values}),
+    st.dictionaries(st.text(max_size=8), json_values, max_size=3),
+)
+
+
 class HashTests(SynchronousTestCase):
     @given(messages, messages)
     def test_a_later_turn_shares_the_earlier_turns_hashes(self, first, more):
@@ -43,6 +58,20 @@ class HashTests(SynchronousTestCase):
         for odd in ({}, {"prompt": 3}, {"prompt": ""}, {"prompt": [1]}, {"messages": "no"}):
             self.assertEqual(prefix_hashes(odd), [])
         self.assertEqual(len(prefix_hashes({"messages": ["a", {"role": "user", "content": [{"type": "text"}]}]})), 2)
+
+    def test_a_role_that_is_not_a_string_is_hashed_not_raised(self):
+        # It raised TypeError (unhashable dict), and the request, on a model
+        # held by two devices, got a 500 with a traceback in the log.
+        for role in ({"x": 1}, ["user"], None, 3):
+            self.assertEqual(len(prefix_hashes({"messages": [{"role": role, "content": "hi"}]})), 1)
+        self.assertNotEqual(prefix_hashes({"messages": [{"role": ["user"], "content": "hi"}]}),
+                            prefix_hashes({"messages": [{"role": "user", "content": "hi"}]}))
+
+    @given(odd_bodies)
+    def test_any_json_body_gives_a_list_of_hashes(self, body):
+        hashes = prefix_hashes(body)
+        self.assertLessEqual(len(hashes), MAX_HASHES)
+        self.assertTrue(all(isinstance(h, int) for h in hashes))
 
 
 class MemoryTests(SynchronousTestCase):
