@@ -135,14 +135,26 @@ def _never_sent(failure: Failure) -> bool:
 MAX_ERROR_BODY = 65536
 
 
-def openai_error(body: bytes, status: int) -> Optional[bytes]:
-    """A child's error answer in OpenAI's shape, or None when it is already
-    in it (or is not a JSON error object at all: relayed as it is).
+#: How llama-server's chat parser begins the message of a 500 for a message
+#: it cannot read (a ``role`` missing or not a string, a ``name`` or a text
+#: part that is not a string).  The request is at fault, and a client retries
+#: a 500 (the OpenAI SDK twice, each a turn of the device's queue), so the
+#: agent answers 400 ``invalid_request``; ``tests/integration`` checks the
+#: wording against the real llama-server.
+UNREADABLE_MESSAGES = "Failed to parse messages"
+
+
+def openai_error(body: bytes, status: int) -> Optional[Tuple[int, bytes]]:
+    """A child's error answer in OpenAI's shape, with the status to answer
+    it with; None when it is already in that shape (or is not a JSON error
+    object at all: relayed as it is).
 
     llama-server's errors are ``{"error": {"code": 501, "message": ...,
     "type": "not_supported_error"}}``: OpenAI's ``code`` is a string, so the
     number becomes the type's name without ``_error`` (``not_supported``);
-    a missing ``type`` or ``message`` is filled in.  Other fields stay."""
+    a missing ``type`` or ``message`` is filled in.  Other fields stay.  A
+    500 for chat messages llama-server cannot read
+    (:data:`UNREADABLE_MESSAGES`) becomes a 400."""
     try:
         payload = json.loads(body)
     except (ValueError, RecursionError):
@@ -151,6 +163,9 @@ def openai_error(body: bytes, status: int) -> Optional[bytes]:
     if not isinstance(error, dict):
         return None
     code, kind, message = error.get("code"), error.get("type"), error.get("message")
+    if status == 500 and isinstance(message, str) and message.startswith(UNREADABLE_MESSAGES):
+        error.update(code="invalid_request", type="invalid_request_error")
+        return 400, json.dumps(payload).encode("utf-8")
     if (code is None or isinstance(code, str)) and isinstance(kind, str) and isinstance(message, str):
         return None
     if not isinstance(kind, str) or not kind:
@@ -160,7 +175,20 @@ def openai_error(body: bytes, status: int) -> Optional[bytes]:
     if not (code is None or isinstance(code, str)):
         code = kind[: -len("_error")] if kind.endswith("_error") and kind != "_error" else kind
     error.update(code=code, type=kind, message=message)
-    return json.dumps(payload).encode("utf-8")
+    return status, json.dumps(payload).encode("utf-8")
+
+
+def _reshape(request: ProxiedRequest, body: bytes, status: int) -> bytes:
+    """``body``, a child's whole error answer of ``status``, as the client
+    gets it (:func:`openai_error`); the response's status changed with it
+    (nothing of the response is written yet)."""
+    shaped = openai_error(body, status)
+    if shaped is None:
+        return body
+    answer_status, body = shaped
+    if answer_status != status:
+        request.setResponseCode(answer_status)
+    return body
 
 
 def tell_timings(timings: TimingsCallback, found: Optional[Tuple[int, int]]) -> None:
@@ -263,7 +291,7 @@ class _Relay(Protocol):
         if held:
             body = b"".join(held)
             if whole and self._error_status is not None:
-                body = openai_error(body, self._error_status) or body
+                body = _reshape(self._request, body, self._error_status)  # its length was not sent
             self._request.write(body)
         self._ended(whole)
 
@@ -429,8 +457,8 @@ class Forward:
             if timings is not None:
                 tell_timings(timings, prompt_timings(body))
             if error_status is not None:
-                shaped = openai_error(body, error_status)
-                if shaped is not None:
+                shaped = _reshape(request, body, error_status)
+                if shaped is not body:
                     body = shaped
                     request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
             if body:

@@ -769,6 +769,33 @@ class ChildErrorTests(ProxyTestCase):
             self.request = DownstreamRequest()
             self.assertEqual(self.error(404, body), body)
 
+    def test_llama_servers_500_for_a_message_it_cannot_read_is_a_400(self) -> None:
+        # llama-server's chat parser answers a message whose role (or name,
+        # or text part) is not a string with 500; the request is at fault.
+        body = (b'{"error":{"code":500,"message":"Failed to parse messages: [json.exception.type_error.302] '
+                b'type must be string, but is object","type":"server_error"}}')
+        for parts in (1, 3):  # whole with its head, and held by the relay
+            self.request = DownstreamRequest()
+            d = self.forward()
+            response = self.agent.last.respond(FakeResponse(500, b"Internal Server Error"))
+            step = max(1, len(body) // parts)
+            for i in range(0, len(body), step):
+                response.send(body[i:i + step])
+            response.finish()
+            self.assertEqual(self.successResultOf(d), COMPLETE)
+            self.assertEqual(self.request.responseCode, 400)
+            error = json.loads(self.request.body)["error"]
+            self.assertEqual((error["code"], error["type"]), ("invalid_request", "invalid_request_error"))
+            self.assertTrue(error["message"].startswith("Failed to parse messages: "), error)
+
+    def test_other_500s_stay_500s(self) -> None:
+        for body in (b'{"error":{"code":500,"message":"Failed to load model","type":"server_error"}}',
+                     b'{"error":{"code":400,"message":"Failed to parse messages: x","type":"t"}}'):
+            self.request = DownstreamRequest()
+            status = json.loads(body)["error"]["code"]
+            self.assertEqual(json.loads(self.error(status, body))["error"]["message"],
+                             json.loads(body)["error"]["message"])
+
     def test_a_long_error_body_is_relayed_as_it_came(self) -> None:
         body = b'{"error":{"code":400,"message":"' + b"x" * (proxy_module.MAX_ERROR_BODY + 10) + b'"}}'
         self.assertEqual(self.error(400, body, parts=4), body)
