@@ -135,13 +135,14 @@ def _never_sent(failure: Failure) -> bool:
 MAX_ERROR_BODY = 65536
 
 
-#: How llama-server's chat parser begins the message of a 500 for a message
-#: it cannot read (a ``role`` missing or not a string, a ``name`` or a text
-#: part that is not a string).  The request is at fault, and a client retries
-#: a 500 (the OpenAI SDK twice, each a turn of the device's queue), so the
-#: agent answers 400 ``invalid_request``; ``tests/integration`` checks the
-#: wording against the real llama-server.
-UNREADABLE_MESSAGES = "Failed to parse messages"
+#: How llama-server's chat parser begins the message of a 500 for messages or
+#: tools it cannot read (a ``role`` missing or not a string, a ``name`` or a
+#: text part that is not a string; ``tools`` not a list of tools).  The
+#: request is at fault, and a client retries a 500 (the OpenAI SDK twice,
+#: each a turn of the device's queue), so the agent answers 400
+#: ``invalid_request``; ``tests/integration`` checks the wording against the
+#: real llama-server.
+UNREADABLE_CHAT = ("Failed to parse messages: ", "Failed to parse tools: ")
 
 
 def openai_error(body: bytes, status: int) -> Optional[Tuple[int, bytes]]:
@@ -153,8 +154,8 @@ def openai_error(body: bytes, status: int) -> Optional[Tuple[int, bytes]]:
     "type": "not_supported_error"}}``: OpenAI's ``code`` is a string, so the
     number becomes the type's name without ``_error`` (``not_supported``);
     a missing ``type`` or ``message`` is filled in.  Other fields stay.  A
-    500 for chat messages llama-server cannot read
-    (:data:`UNREADABLE_MESSAGES`) becomes a 400."""
+    500 for chat messages or tools llama-server cannot read
+    (:data:`UNREADABLE_CHAT`) becomes a 400."""
     try:
         payload = json.loads(body)
     except (ValueError, RecursionError):
@@ -163,7 +164,7 @@ def openai_error(body: bytes, status: int) -> Optional[Tuple[int, bytes]]:
     if not isinstance(error, dict):
         return None
     code, kind, message = error.get("code"), error.get("type"), error.get("message")
-    if status == 500 and isinstance(message, str) and message.startswith(UNREADABLE_MESSAGES):
+    if status == 500 and isinstance(message, str) and message.startswith(UNREADABLE_CHAT):
         error.update(code="invalid_request", type="invalid_request_error")
         return 400, json.dumps(payload).encode("utf-8")
     if (code is None or isinstance(code, str)) and isinstance(kind, str) and isinstance(message, str):

@@ -772,9 +772,11 @@ class ChildErrorTests(ProxyTestCase):
     def test_llama_servers_500_for_a_message_it_cannot_read_is_a_400(self) -> None:
         # llama-server's chat parser answers a message whose role (or name,
         # or text part) is not a string with 500; the request is at fault.
-        body = (b'{"error":{"code":500,"message":"Failed to parse messages: [json.exception.type_error.302] '
-                b'type must be string, but is object","type":"server_error"}}')
-        for parts in (1, 3):  # whole with its head, and held by the relay
+        messages = (b'{"error":{"code":500,"message":"Failed to parse messages: [json.exception.type_error.302] '
+                    b'type must be string, but is object","type":"server_error"}}')
+        tools = (b'{"error":{"code":500,"message":"Failed to parse tools: Expected \'tools\' to be an array, '
+                 b'got \\"x\\"; tools = \\"x\\"","type":"server_error"}}')
+        for body, parts in ((messages, 1), (messages, 3), (tools, 1)):  # whole with its head, or held by the relay
             self.request = DownstreamRequest()
             d = self.forward()
             response = self.agent.last.respond(FakeResponse(500, b"Internal Server Error"))
@@ -786,7 +788,8 @@ class ChildErrorTests(ProxyTestCase):
             self.assertEqual(self.request.responseCode, 400)
             error = json.loads(self.request.body)["error"]
             self.assertEqual((error["code"], error["type"]), ("invalid_request", "invalid_request_error"))
-            self.assertTrue(error["message"].startswith("Failed to parse messages: "), error)
+            self.assertTrue(error["message"].startswith(("Failed to parse messages: ", "Failed to parse tools: ")),
+                            error)
 
     def test_other_500s_stay_500s(self) -> None:
         for body in (b'{"error":{"code":500,"message":"Failed to load model","type":"server_error"}}',

@@ -105,17 +105,21 @@ class RealModelTests(SynchronousTestCase):
         error = json.loads(body)["error"]
         self.assertIsInstance(error["code"], str, body.decode())
         self.assertIsInstance(error["message"], str, body.decode())
-        # A message llama-server's chat parser cannot read (a role that is not
-        # a string): llama-server says 500 "Failed to parse messages: ...",
-        # the client gets 400 (proxy.UNREADABLE_MESSAGES checks that wording).
-        for messages in ([{"role": 3, "content": "hi"}], [{"content": "hi"}],
-                         [{"role": "user", "content": "hi", "name": ["x"]}]):
+        # Messages or tools llama-server's chat parser cannot read (a role
+        # that is not a string, tools not a list): llama-server says 500
+        # "Failed to parse messages: ..." (or tools), the client gets 400
+        # (this checks proxy.UNREADABLE_CHAT's wording).
+        hi = [{"role": "user", "content": "hi"}]
+        for fields in ({"messages": [{"role": 3, "content": "hi"}]}, {"messages": [{"content": "hi"}]},
+                       {"messages": [{"role": "user", "content": "hi", "name": ["x"]}]},
+                       {"messages": hi, "tools": "x"}, {"messages": hi, "tools": ["x"]}):
             status, _, body = self.agent.request("POST", "/v1/chat/completions",
-                                                 {"model": "tiny-a", "messages": messages, "max_tokens": 2})
+                                                 {"model": "tiny-a", "max_tokens": 2, **fields})
             self.assertEqual(status, 400, body)
             error = json.loads(body)["error"]
             self.assertEqual(error["code"], "invalid_request", body)
-            self.assertTrue(error["message"].startswith("Failed to parse messages"), body)
+            self.assertTrue(error["message"].startswith(("Failed to parse messages: ", "Failed to parse tools: ")),
+                            body)
         # tiny-a is not started with --embeddings: llama-server's 501, its code a string.
         status, headers, body = self.agent.request("POST", "/v1/embeddings", {"model": "tiny-a", "input": "hi"})
         self.assertEqual(status, 501, body)
