@@ -25,6 +25,11 @@ from zope.interface import implementer
 from rolemesh.listener import GuardedSite
 from rolemesh.proxy import BytesProducer
 from tests.test_api import CHAT, KEY, ApiHarness
+from tests.test_node import MODELS
+
+#: The node's models: the API tests' three, and one with a LoRA adapter (the
+#: agent rewrites the body of a request for "l:x": its ``lora`` field).
+FUZZ_MODELS = MODELS + [{"model_id": "l", "lora_adapters": [{"id": "l:x", "path": "/models/x.gguf", "scale": 0.5}]}]
 
 #: Statuses a 5xx may have: the documented upstream/load/drain ones.
 ALLOWED_5XX = {502, 503, 504}
@@ -159,7 +164,7 @@ json_values = st.recursive(
     max_leaves=12,
 )
 model_names = st.one_of(
-    st.sampled_from(["a", "alpha", "b", "e", "emb", "chat", "summarize", "embed", "nope", "", "A", "a ",
+    st.sampled_from(["a", "alpha", "b", "e", "emb", "chat", "summarize", "embed", "l:x", "nope", "", "A", "a ",
                      "../a", "/models/a.gguf", "a\x00", "\u00e9", "\ud800", "x" * 256, "x" * 257, "x" * 5000]),
     st.text(max_size=30),
     json_values,
@@ -197,7 +202,7 @@ bodies = st.one_of(
 
 PROXIED = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 GET_ROUTES = [r for r in KNOWN_ROUTES if r not in PROXIED]
-known_models = st.sampled_from(["a", "alpha", "b", "e", "emb", "chat", "summarize", "embed"])
+known_models = st.sampled_from(["a", "alpha", "b", "e", "emb", "chat", "summarize", "embed", "l", "l:x"])
 good_objects = st.builds(
     lambda model, fields: {"model": model, **fields},
     known_models,
@@ -315,11 +320,12 @@ class FuzzApiTests(SynchronousTestCase):
            devices=st.sampled_from([1, 2]))
     def test_api_never_breaks(self, request: Tuple[str, str, Optional[bytes]], auth: Optional[bytes],
                               headers: Dict[bytes, bytes], fast: bool, devices: int) -> None:
-        """One device, or two (a model on both: prefix affinity hashes the prompt)."""
+        """One device, or two (a model on both: prefix affinity hashes the
+        prompt); a model with a LoRA adapter among the models."""
         method, path, body = request
-        harness = ApiHarness(keys=(KEY,), devices=devices, max_request_body_bytes=4096)
+        harness = ApiHarness(keys=(KEY,), devices=devices, max_request_body_bytes=4096, models=FUZZ_MODELS)
         node_h = harness.node_h
-        node_h.probe.ready = {"alpha", "b", "emb"}  # every child answers its probe once started
+        node_h.probe.ready = {"alpha", "b", "emb", "l"}  # every child answers its probe once started
         node_h.load("a")
         exchange = Exchange(harness, fast=fast)
         self.logged.clear()
