@@ -120,14 +120,11 @@ def main(argv: Sequence[str] = sys.argv[1:]) -> int:
         (f"{SLOTS} conversations, {SLOTS} slots, --cache-ram 0", SLOTS, ["--cache-ram", "0"]),
     ]
     print(f"Gemma 3 270M, one llama-server, --parallel {SLOTS}, {args.turns} turns, ~1500-token system prompts")
-    procs = Processes()
+    procs = Processes()  # each case's llama-server is stopped when its case ends, Ctrl-C included
     with tempfile.TemporaryDirectory(prefix="slot-choice-") as workdir:
-        try:
-            for label, conversations, extra in cases:
-                share = cached_share(procs, workdir, binary, model, conversations, args.turns, extra)
-                print(f"  {label:45s} prompt tokens of turns 2+ from cache: {100 * share:.0f}%", flush=True)
-        finally:
-            procs.stop_all()
+        for label, conversations, extra in cases:
+            share = cached_share(procs, workdir, binary, model, conversations, args.turns, extra)
+            print(f"  {label:45s} prompt tokens of turns 2+ from cache: {100 * share:.0f}%", flush=True)
     return 0
 
 

@@ -458,10 +458,8 @@ class Forward:
             if timings is not None:
                 tell_timings(timings, prompt_timings(body))
             if error_status is not None:
-                shaped = _reshape(request, body, error_status)
-                if shaped is not body:
-                    body = shaped
-                    request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
+                body = _reshape(request, body, error_status)
+                request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
             if body:
                 self._on_data()
                 request.write(body)

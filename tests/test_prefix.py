@@ -7,16 +7,12 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.prefix import BLOCK_CHARS, MAX_HASHES, PrefixMemory, affine_choice, prefix_hashes
+from tests.test_fuzz_api import json_values
 
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
                                            "content": st.text(max_size=40)}), min_size=1, max_size=8)
 
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12,
-)
 #: Bodies shaped like a chat or completions request, with any JSON where a string belongs.
 odd_bodies = st.one_of(
     st.fixed_dictionaries({"messages": st.lists(

@@ -734,7 +734,10 @@ class ChildErrorTests(ProxyTestCase):
     """A child's error answer reaches the client with its status, in
     OpenAI's shape (``code`` a string; llama-server sends a number)."""
 
-    def error(self, status: int, body: bytes, parts: int = 1) -> bytes:
+    def error(self, status: int, body: bytes, parts: int = 1, answered: Optional[int] = None) -> bytes:
+        """The client's body for the child's error answer ``body`` of
+        ``status`` in ``parts`` reads; the client's status is ``answered``
+        (by default the child's)."""
         d = self.forward()
         response = self.agent.last.respond(FakeResponse(status, b"Error"))
         step = max(1, len(body) // parts)
@@ -742,7 +745,7 @@ class ChildErrorTests(ProxyTestCase):
             response.send(body[i:i + step])
         response.finish()
         self.assertEqual(self.successResultOf(d), COMPLETE)
-        self.assertEqual(self.request.responseCode, status)
+        self.assertEqual(self.request.responseCode, status if answered is None else answered)
         return self.request.body
 
     def test_llama_servers_501_for_embeddings(self) -> None:
@@ -778,15 +781,7 @@ class ChildErrorTests(ProxyTestCase):
                  b'got \\"x\\"; tools = \\"x\\"","type":"server_error"}}')
         for body, parts in ((messages, 1), (messages, 3), (tools, 1)):  # whole with its head, or held by the relay
             self.request = DownstreamRequest()
-            d = self.forward()
-            response = self.agent.last.respond(FakeResponse(500, b"Internal Server Error"))
-            step = max(1, len(body) // parts)
-            for i in range(0, len(body), step):
-                response.send(body[i:i + step])
-            response.finish()
-            self.assertEqual(self.successResultOf(d), COMPLETE)
-            self.assertEqual(self.request.responseCode, 400)
-            error = json.loads(self.request.body)["error"]
+            error = json.loads(self.error(500, body, parts, answered=400))["error"]
             self.assertEqual((error["code"], error["type"]), ("invalid_request", "invalid_request_error"))
             self.assertTrue(error["message"].startswith(("Failed to parse messages: ", "Failed to parse tools: ")),
                             error)
