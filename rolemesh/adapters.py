@@ -40,12 +40,13 @@ def lora_field(model: ModelConfig, name: str) -> List[Dict[str, Any]]:
             for index, adapter in enumerate(model.lora_adapters)]
 
 
-def with_lora(payload: Mapping[str, Any], model: ModelConfig) -> bytes:
+def with_lora(payload: Mapping[str, Any], model: ModelConfig, name: Optional[str] = None) -> bytes:
     """The body to relay for ``payload`` (parsed, naming ``model`` or one of
-    its adapters in ``model``): ``lora`` set by the agent (a client's own
-    ``lora`` is replaced: the adapter ids are how a client picks one)."""
+    its adapters in ``model``, or served as ``name``: a default the request
+    did not name): ``lora`` set by the agent (a client's own ``lora`` is
+    replaced: the adapter ids are how a client picks one)."""
     body = dict(payload)
-    body["lora"] = lora_field(model, str(payload.get("model")))
+    body["lora"] = lora_field(model, name if name is not None else str(payload.get("model")))
     return json.dumps(body).encode("utf-8")
 
 

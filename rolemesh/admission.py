@@ -22,7 +22,7 @@ from rolemesh import errors
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.fairqueue import DEFAULT_SHARE, Share
-from rolemesh.leases import Acquisition, Lease, UnloadRequest, stop_queue_timer
+from rolemesh.leases import Acquisition, Lease, Pin, UnloadRequest, stop_queue_timer
 from rolemesh.placement import Placed
 from rolemesh.prefix import PrefixMemory, prefix_hashes
 from rolemesh.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
@@ -136,6 +136,26 @@ class Admission(UsesReactor[IReactorTime]):
             self._prefixes.remember(hashes, supervisor.name)
         self._started(supervisor.name, model, 0.0, share)
         return Lease(ticket, endpoint, supervisor, self._release, model=model)
+
+    def pin_now(self, model: ModelConfig) -> Optional[Pin]:
+        """A ready child of ``model`` for a use that takes no generation slot
+        (tokenize, count tokens, apply a template), pinned so that no switch
+        replaces it meanwhile; None when no lane has one ready (or the node
+        drains): :meth:`acquire` then, which loads it."""
+        if self._draining():
+            return None
+        try:
+            lanes, _, _ = self._place(model, None)
+        except errors.ApiError:
+            return None  # acquire() refuses it, the same way
+        supervisors = self._supervisors
+        lane = self._scheduler.pin(model.model_id, lanes,
+                                   ready=lambda name: supervisors[name].serving(model) is not None)
+        if lane is None:
+            return None
+        endpoint = supervisors[lane].serving(model)
+        assert endpoint is not None  # ready() said so, a moment ago
+        return Pin(lane, endpoint, self._scheduler.unpin)
 
     def unload(self, device: str) -> "Deferred[None]":
         """Stop ``device``'s child once the requests ahead of this one are

@@ -25,13 +25,37 @@ from rolemesh.api_answers import ErrorAnswers, Utf8Guard
 from rolemesh.api_keys import ApiKeys
 from rolemesh.api_node import NodeRoutes
 from rolemesh.api_relay import Relay
+from rolemesh.api_upstream import Upstream
 from rolemesh.config import NodeConfig
 from rolemesh.fast_channel import FastRoute
 from rolemesh.node import Node
 from rolemesh.proxy import Proxy
 from rolemesh.readiness import Readiness
 from rolemesh.reload import ReloadResult
-from rolemesh.routes import Route, fast_dispatch, klein_app, open_paths, relayed_routes
+from rolemesh.routes import (
+    FORM_BODY,
+    GENERATE,
+    JSON_BODY,
+    PASSTHROUGH,
+    TOKENS,
+    Route,
+    fast_dispatch,
+    klein_app,
+    open_paths,
+    relayed_routes,
+)
+
+
+def _relayed(endpoint: str, *paths: str, use: str = GENERATE, body: str = JSON_BODY,
+             fast: bool = True) -> Tuple[Route, ...]:
+    """``POST`` routes relayed to llama-server under one endpoint name (its
+    log lines and metrics), one per path that llama-server takes for it."""
+    return tuple(Route("POST", path, "relay.serve", fast=fast, relayed=endpoint, use=use, body=body)
+                 for path in paths)
+
+
+#: The methods ``/upstream/<model>/...`` forwards (OPTIONS is the preflight's).
+UPSTREAM_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")  # GET takes HEAD too (werkzeug)
 
 #: Every route of the API: the one place a route is declared (Klein's
 #: routes and the fast path's dispatch are both built from it).  The fast
@@ -40,18 +64,45 @@ from rolemesh.routes import Route, fast_dispatch, klein_app, open_paths, relayed
 ROUTES: Tuple[Route, ...] = (
     Route("GET", "/health", "node_routes.health", fast=True, open=True),
     Route("GET", "/ready", "node_routes.ready", fast=True, open=True),
+    Route("GET", "/", "node_routes.root", open=True),
     Route("POST", "/v1/node/reload", "node_routes.reload"),
     Route("GET", "/v1/models", "node_routes.models", fast=True),
+    Route("GET", "/models", "node_routes.models", fast=True),
     Route("GET", "/v1/node/inventory", "node_routes.inventory"),
     Route("GET", "/v1/node/registration", "node_routes.registration"),
     Route("GET", "/v1/node/devices/<device>/logs", "node_routes.device_logs"),
     Route("GET", "/v1/node/events", "node_routes.events_stream"),
     Route("GET", "/metrics", "node_routes.metrics"),
-    Route("POST", "/v1/chat/completions", "relay.serve", fast=True, relayed="chat/completions"),
-    Route("POST", "/v1/completions", "relay.serve", fast=True, relayed="completions"),
-    Route("POST", "/v1/embeddings", "relay.serve", fast=True, relayed="embeddings"),
     Route("POST", "/v1/node/devices/<device>/load", "node_routes.load"),
     Route("POST", "/v1/node/devices/<device>/unload", "node_routes.unload"),
+    # OpenAI: chat, completions, embeddings, Responses, and the un-prefixed forms llama-server
+    # serves the same (its /completions and /embeddings are its native ones, below).
+    *_relayed("chat/completions", "/v1/chat/completions", "/chat/completions"),
+    *_relayed("completions", "/v1/completions"),
+    *_relayed("embeddings", "/v1/embeddings"),
+    *_relayed("responses", "/v1/responses", "/responses"),
+    # Anthropic Messages.
+    *_relayed("messages", "/v1/messages"),
+    # llama-server's own: native completion and embedding, fill-in-the-middle, rerank.
+    *_relayed("completion", "/completion", "/completions"),
+    *_relayed("embedding", "/embedding", "/embeddings"),
+    *_relayed("infill", "/infill"),
+    *_relayed("rerank", "/v1/rerank", "/rerank", "/v1/reranking", "/reranking"),
+    *_relayed("audio/transcriptions", "/v1/audio/transcriptions", body=FORM_BODY, fast=False),
+    # Token utilities: the model's child, no generation slot.
+    *_relayed("messages/count_tokens", "/v1/messages/count_tokens", use=TOKENS),
+    *_relayed("responses/input_tokens", "/v1/responses/input_tokens", use=TOKENS),
+    *_relayed("chat/completions/input_tokens", "/v1/chat/completions/input_tokens", use=TOKENS),
+    *_relayed("tokenize", "/tokenize", use=TOKENS),
+    *_relayed("detokenize", "/detokenize", use=TOKENS),
+    *_relayed("apply-template", "/apply-template", use=TOKENS),
+    # Everything else a child serves (its web UI, /slots, /props, /metrics), by model.
+    *(Route(method, path, "upstream.serve", relayed="upstream", use=PASSTHROUGH)
+      for path in ("/upstream/<model>/", "/upstream/<model>/<path:rest>") for method in UPSTREAM_METHODS),
+    Route("GET", "/upstream/<model>", "upstream.to_slash", open=True),
+    # CORS preflights, on every path, without a key (the request itself needs one).
+    Route("OPTIONS", "/", "node_routes.preflight", open=True),
+    Route("OPTIONS", "/<path:anything>", "node_routes.preflight", open=True),
 )
 #: What Klein answers a failure with, tried in this order (the fast path: ErrorAnswers.fast_error).
 ERROR_HANDLERS: Tuple[Tuple[Tuple[type, ...], str], ...] = (
@@ -89,6 +140,7 @@ class NodeAPI:
         self.keys = ApiKeys(config.api_keys)
         self.answers = ErrorAnswers(self.keys, OPEN_ROUTES)
         self.relay = Relay(config, node, proxy, self.keys, observers)
+        self.upstream = Upstream(self.relay, self.keys)
         self.node_routes = NodeRoutes(config, node, self.keys, registration=registration,
                                       render_metrics=render_metrics, readiness=readiness, reload=reload)
         #: Told ("request", **fields) of each finished proxied request.
@@ -102,12 +154,21 @@ class NodeAPI:
         """Serve with ``config`` from the next request on (a reload: models,
         keys, limits)."""
         self.config = config
+        self._cors_origins = frozenset(o.encode("utf-8") for o in config.cors_allowed_origins)
         self.keys.use(config.api_keys)
         self.relay.use_config(config)
         self.node_routes.use_config(config)
 
     def resource(self) -> IResource:
-        return Utf8Guard(self.app.resource())
+        return Utf8Guard(self.app.resource(), self.cors_origin)
+
+    def cors_origin(self, origin: bytes) -> Optional[bytes]:
+        """``origin`` itself where ``cors_allowed_origins`` allows it (``*``:
+        any, reflected as llama-server does), else None."""
+        allowed = self._cors_origins
+        if b"*" in allowed or origin in allowed:
+            return origin
+        return None
 
     def fast_routes(self) -> Dict[Tuple[bytes, bytes], FastRoute]:
         """The routes :class:`~rolemesh.fast_channel.FastChannel` serves, by
@@ -124,9 +185,13 @@ class NodeAPI:
         read (a :class:`~rolemesh.interfaces.HeadPolicy`): 401 without a
         valid key (every route but ``/health`` and ``/ready``), then 404
         for no route -- the answers the routes would give, so no body of
-        such a request is ever held.  None: the route answers."""
-        if path not in OPEN_ROUTES:
-            error = self.keys.error(headers.get(b"authorization"))
+        such a request is ever held.  None: the route answers.  A CORS
+        preflight (``OPTIONS``) needs no key, nor does a GET under
+        ``/upstream/`` (a browser's first look at a child's web UI: the
+        route serves its static files without one, and nothing else)."""
+        if path not in OPEN_ROUTES and method != b"OPTIONS" and not (
+                path.startswith(b"/upstream/") and method in (b"GET", b"HEAD")):
+            error = self.keys.error(headers.get(b"authorization"), headers.get(b"x-api-key"))
             if error is not None:
                 return error
         if (method, path) in self._fast_route_keys or self._route_exists(method, path):

@@ -8,7 +8,7 @@ sends produces a traceback.
 from __future__ import annotations
 
 import json
-from typing import AbstractSet, Any, Dict, Optional, Union, cast
+from typing import AbstractSet, Any, Callable, Dict, Optional, Union, cast
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -37,10 +37,11 @@ def json_answer(request: RouteRequest, status: int, body: Any) -> bytes:
 
 def error_answer(request: RouteRequest, error: errors.ApiError) -> bytes:
     """``error`` as the answer: its status, its headers (Retry-After,
-    WWW-Authenticate) and its JSON body."""
+    WWW-Authenticate) and its JSON body in the shape of the route's API
+    (Anthropic's on ``/v1/messages*``, OpenAI's elsewhere)."""
     for name, value in errors.answer_headers(error):
         request.setHeader(name, value)
-    return json_answer(request, error.status, error.body())
+    return json_answer(request, error.status, errors.error_body(error, getattr(request, "path", b"") or b""))
 
 
 def bad_request(message: str, code: str = "invalid_request") -> errors.ApiError:
@@ -55,8 +56,10 @@ def request_body(request: RouteRequest, limit: int) -> bytes:
     return request.content.read()  # type: ignore[union-attr]  # None only before the body began
 
 
-def parse_body(body: bytes, limit: int) -> Dict[str, Any]:
-    """Check a proxied request body and return it parsed (pure: no I/O)."""
+def parse_body(body: bytes, limit: int, model_required: bool = True) -> Dict[str, Any]:
+    """Check a proxied request body and return it parsed (pure: no I/O).
+    ``model_required`` False: a body without ``model`` passes (the node
+    picks one: :meth:`rolemesh.node.Node.resolve_request`)."""
     if len(body) > limit:
         raise errors.ApiError(
             413,
@@ -78,12 +81,68 @@ def parse_body(body: bytes, limit: int) -> Dict[str, Any]:
         raise bad_request("request body must be a JSON object")
     model = payload.get("model")
     if model is None:
+        if not model_required:
+            return payload
         raise bad_request('request body has no "model"', "missing_model")
     if not isinstance(model, str) or not model:
         raise bad_request('"model" must be a non-empty string', "invalid_model")
     if len(model) > MAX_MODEL_NAME:
         raise bad_request(f'"model" is longer than {MAX_MODEL_NAME} characters', "invalid_model")
     return payload
+
+
+def _parameters(value: bytes) -> Dict[bytes, bytes]:
+    """``; name=value`` parameters of a header value (quotes taken off), by lower-case name."""
+    out: Dict[bytes, bytes] = {}
+    for item in value.split(b";")[1:]:
+        name, _, found = item.partition(b"=")
+        found = found.strip()
+        if len(found) >= 2 and found[:1] == found[-1:] == b'"':
+            found = found[1:-1]
+        out[name.strip().lower()] = found
+    return out
+
+
+def form_model(content_type: bytes, body: bytes, limit: int) -> Optional[str]:
+    """The ``model`` field of a ``multipart/form-data`` body (an audio
+    upload), or None when it has none; 400 for a body that is not such a
+    form.  Pure: reads the parts' heads only, never copies a file part."""
+    if len(body) > limit:
+        raise errors.ApiError(413, f"request body is {len(body)} bytes; the limit is {limit} "
+                                   "(max_request_body_bytes)", "invalid_request_error", "request_too_large")
+    if content_type.split(b";")[0].strip().lower() != b"multipart/form-data":
+        raise bad_request('expected a multipart/form-data body (the file, and "model" among its fields)',
+                          "invalid_body")
+    boundary = _parameters(content_type).get(b"boundary")
+    if not boundary:
+        raise bad_request("the multipart/form-data Content-Type has no boundary", "invalid_body")
+    delimiter = b"--" + boundary
+    at = body.find(delimiter)
+    while at >= 0:
+        start = at + len(delimiter)
+        if body[start:start + 2] == b"--":
+            return None  # the closing delimiter
+        head_end = body.find(b"\r\n\r\n", start)
+        if head_end < 0:
+            break
+        following = body.find(b"\r\n" + delimiter, head_end)
+        head = body[start:head_end]
+        for line in head.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-disposition" and _parameters(value).get(b"name") == b"model":
+                raw = body[head_end + 4:following if following >= 0 else len(body)]
+                try:
+                    model = raw.decode("utf-8").strip()
+                except UnicodeDecodeError:
+                    raise bad_request('the form field "model" is not UTF-8', "invalid_model") from None
+                if not model or len(model) > MAX_MODEL_NAME:
+                    raise bad_request(f'the form field "model" must be 1 to {MAX_MODEL_NAME} characters',
+                                      "invalid_model")
+                return model
+        if following < 0:
+            break
+        at = following + 2
+    raise bad_request("the multipart/form-data body is cut short (no closing boundary)", "invalid_body")
 
 
 class Utf8Guard(Resource):
@@ -95,11 +154,19 @@ class Utf8Guard(Resource):
 
     isLeaf = True
 
-    def __init__(self, inner: IResource) -> None:
+    def __init__(self, inner: IResource, cors_origin: Optional[Callable[[bytes], Optional[bytes]]] = None) -> None:
         super().__init__()
         self._inner = inner
+        #: ``Access-Control-Allow-Origin`` for an ``Origin`` (the head policy's), as the fast path sets it.
+        self._cors_origin = cors_origin
 
     def render(self, request: IRequest) -> Union[bytes, int]:
+        origin = request.getHeader(b"origin")
+        if origin is not None and self._cors_origin is not None:
+            allowed = self._cors_origin(origin)
+            if allowed is not None:
+                request.setHeader(b"access-control-allow-origin", allowed)
+                request.setHeader(b"vary", b"Origin")
         try:
             b"/".join(request.prepath + request.postpath).decode("utf-8")
             request.getRequestHostname().decode("utf-8").encode("idna")  # werkzeug's routing needs an IDNA name

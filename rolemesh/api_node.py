@@ -96,13 +96,36 @@ class NodeRoutes:
             progress = {n: self.node.load_progress(n) for n in where if not self.node.device_ready(n)}
             entry["load_progress"] = {n: p for n, p in progress.items() if p is not None}
             entry.update({k: v for k, v in self.node.model_memory(model).items() if k != "model_id"})
-            if model.alias:
-                entry["aliases"] = [model.alias]
+            # What llama-server's own entries carry (its names, tags, modalities).
+            entry["aliases"] = list(model.names)
+            entry["tags"] = []
+            entry["architecture"] = {"input_modalities": ["text", "image"] if model.mmproj else ["text"],
+                                     "output_modalities": ["text"]}
             if leaving:
                 entry["leaving"] = True
             data.append(entry)
             data.extend(adapter_entries(entry, model))
         return json_answer(request, 200, {"object": "list", "data": data})
+
+    def root(self, request: IRequest) -> bytes:
+        """``GET /`` (and the ``HEAD /`` clients probe with): the node answers,
+        and says where its API is; no key, nothing more."""
+        return json_answer(request, 200, {"service": "rolemesh-node-agent", "api": "/v1",
+                                          "models": "/v1/models", "health": "/health"})
+
+    def preflight(self, request: IRequest, anything: str = "") -> bytes:
+        """A CORS preflight (``OPTIONS``, any path): 200 without a key, as
+        llama-server answers it; the allowed origin gets the
+        ``Access-Control-*`` headers (the listener adds the origin itself)."""
+        if request.responseHeaders.hasHeader(b"access-control-allow-origin"):
+            request.setHeader(b"access-control-allow-credentials", b"true")
+            request.setHeader(b"access-control-allow-methods", b"GET, POST, PUT, PATCH, DELETE, OPTIONS")
+            asked = request.getHeader(b"access-control-request-headers")
+            request.setHeader(b"access-control-allow-headers", asked if asked else b"*")
+            request.setHeader(b"access-control-max-age", b"86400")
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", b"text/plain")
+        return b""
 
     # -- the node's endpoints ----------------------------------------------------------------
 

@@ -11,23 +11,26 @@ import itertools
 import re
 import time
 import uuid
-from typing import Any, Callable, Generator, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Generator, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from twisted.internet import defer
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
 
 from rolemesh import errors
 from rolemesh.adapters import with_lora
-from rolemesh.api_answers import parse_body, request_body
+from rolemesh.api_answers import form_model, parse_body, request_body
 from rolemesh.api_keys import ApiKeys
-from rolemesh.config import NodeConfig
+from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.events import Events
+from rolemesh.fairqueue import Share
 from rolemesh.interfaces import ProxiedRequest, RouteRequest
 from rolemesh.logs import emit, one_write
-from rolemesh.node import Lease, Node
-from rolemesh.proxy import CLIENT_GONE, STALLED, Forward, Proxy, UpstreamUnreachable
+from rolemesh.node import Lease, Node, Pin
+from rolemesh.proxy import CLIENT_GONE, STALLED, STREAM_ENDS, Forward, Proxy, RequestShape, UpstreamUnreachable
+from rolemesh.routes import FORM_BODY, GENERATE, Route
 from rolemesh.tenants import Tenants
 
 #: The API's log namespace (the request log line's, whichever module writes it).
@@ -39,11 +42,11 @@ log = Logger(namespace="rolemesh.api")
 #: Flushed at shutdown, after the drain.
 RECORD_DELAY_S = 0.05
 #: The request log line (its fields are JSON keys with ``log_format: json``).
-REQUEST_LOG_FORMAT = "POST /v1/{endpoint} {model} -> {status} on {device} in {duration_ms:.1f} ms"
+REQUEST_LOG_FORMAT = "{method} {path} {model} -> {status} on {device} in {duration_ms:.1f} ms"
 #: ... of a request that never reached a device (refused, or ended while it waited
 #: for one), and of one whose model is not known either; the fields are the same.
-UNPLACED_LOG_FORMAT = "POST /v1/{endpoint} {model} -> {status} on no device in {duration_ms:.1f} ms"
-UNRESOLVED_LOG_FORMAT = "POST /v1/{endpoint} -> {status} on no device in {duration_ms:.1f} ms"
+UNPLACED_LOG_FORMAT = "{method} {path} {model} -> {status} on no device in {duration_ms:.1f} ms"
+UNRESOLVED_LOG_FORMAT = "{method} {path} -> {status} on no device in {duration_ms:.1f} ms"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
@@ -70,10 +73,14 @@ def request_id(request: RouteRequest) -> str:
 class _Record:
     """What the request log line and the observers say of one proxied request."""
 
-    __slots__ = ("endpoint", "request_id", "started", "model", "device", "status", "ttfb")
+    __slots__ = ("endpoint", "request_id", "started", "model", "device", "status", "ttfb", "path", "method")
 
-    def __init__(self, endpoint: str, request_id: str, started: float) -> None:
+    def __init__(self, endpoint: str, request_id: str, started: float, path: str = "",
+                 method: str = "POST") -> None:
         self.endpoint = endpoint
+        #: The route's path (the request log line's), and the method.
+        self.path = path or f"/v1/{endpoint}"
+        self.method = method
         self.request_id = request_id
         self.started = started
         self.model: Optional[str] = None
@@ -128,6 +135,7 @@ class RequestLog:
                 else UNPLACED_LOG_FORMAT if record.model is not None else UNRESOLVED_LOG_FORMAT)
         emit(log, LogLevel.info, form, {
             "duration_ms": duration * 1000, "endpoint": record.endpoint, "model": record.model,
+            "method": record.method, "path": record.path,
             "status": record.status, "duration": duration, "ttfb": record.ttfb, "device": record.device,
             "request_id": record.request_id})
         self.events.emit("request", endpoint=record.endpoint, model=record.model, status=record.status,
@@ -146,18 +154,22 @@ class _Exchange:
     connection, which stops the generation)."""
 
     __slots__ = ("relay", "request", "path", "body", "streaming", "record", "result", "_lease", "_forward",
-                 "_waiting")
+                 "_waiting", "shape", "counts")
 
     def __init__(self, relay: "Relay", request: ProxiedRequest, path: str, body: bytes, streaming: bool,
-                 record: _Record) -> None:
+                 record: _Record, shape: Optional[RequestShape] = None, counts: bool = True) -> None:
         self.relay = relay
         self.request = request
         self.path = path
         self.body = body
         self.streaming = streaming
         self.record = record
+        #: How it goes to the child, if not as a JSON POST of an OpenAI route.
+        self.shape = shape
+        #: Whether its answer's prompt-cache figures count (not for embeddings, reranks, token utilities).
+        self.counts = counts
         self.result: "defer.Deferred[None]" = defer.Deferred(self._cancel)
-        self._lease: Optional[Lease] = None
+        self._lease: Optional[Union[Lease, Pin]] = None
         #: The relay under way, or the Deferred waited for (at most one of the two).
         self._forward: Optional[Forward] = None
         self._waiting: "Optional[defer.Deferred[Any]]" = None
@@ -167,8 +179,8 @@ class _Exchange:
         self._waiting = acquired
         acquired.addCallbacks(self.start, self._ended)
 
-    def start(self, lease: Lease) -> None:
-        """Send the request to the lease's child."""
+    def start(self, lease: Union[Lease, Pin]) -> None:
+        """Send the request to the lease's (or the pin's) child."""
         self._waiting = None
         self._lease = lease
         self.record.device = lease.device
@@ -177,7 +189,7 @@ class _Exchange:
             forward = self.relay.proxy.start(
                 self.request, lease.endpoint.base_url, self.path, self.body, self.streaming,
                 config.request_timeout_s, self.record.first_byte, config.stream_idle_timeout_s, self._forwarded,
-                None if self.record.endpoint == "embeddings" else self._prompt_tokens)
+                self._prompt_tokens if self.counts else None, self.shape)
         except Exception:  # a bug: the request is still answered (500) and the device freed
             self._relayed(Failure())
             return
@@ -193,8 +205,13 @@ class _Exchange:
         if isinstance(outcome, Failure) or outcome == STALLED:  # the rare ends: retried, or the child probed
             lease = self._lease
             assert lease is not None
+            if isinstance(lease, Pin):  # a token utility: ms of work, not worth a retry or a probe
+                if isinstance(outcome, Failure) and outcome.check(UpstreamUnreachable):
+                    outcome = Failure(outcome.value.as_api_error())  # type: ignore[union-attr]
+                self._relayed(outcome)
+                return
             waiting = self._waiting = self.relay._after(outcome, lease, self.request, self.path, self.body,
-                                                        self.streaming, self.record)
+                                                        self.streaming, self.record, self.shape, self.counts)
             waiting.addBoth(self._relayed)
         else:
             self._relayed(outcome)
@@ -222,6 +239,16 @@ class _Exchange:
             self._waiting.cancel()
 
 
+#: The endpoints whose prompt prefix affinity hashes and whose answers' prompt
+#: cache figures count: the ones that generate from a prompt.
+PREFIXED = frozenset({"chat/completions", "completions", "completion", "messages", "responses", "infill"})
+#: How requests of the endpoints that are not OpenAI's chat go and come back.
+_SHAPES = {
+    "messages": RequestShape(stream_ends=STREAM_ENDS["messages"], api="anthropic"),
+    "responses": RequestShape(stream_ends=STREAM_ENDS["responses"], api="responses"),
+}
+
+
 class Relay:
     """The routes relayed to llama-server (``relayed=`` in rolemesh/api.py's
     table): :meth:`serve` checks, places and relays one request."""
@@ -240,34 +267,65 @@ class Relay:
         self.config = config
         self.tenants = Tenants(config)
 
-    def serve(self, request: ProxiedRequest, endpoint: str, path: str) -> "defer.Deferred[None]":
-        """Check, place and relay one request (see :class:`_Exchange` for its steps)."""
-        record = _Record(endpoint, request_id(request), time.monotonic())
+    def serve(self, request: ProxiedRequest, route: Route) -> "defer.Deferred[None]":
+        """Check, place and relay one request of ``route`` (see :class:`_Exchange` for its steps)."""
+        endpoint = route.relayed or ""
+        record = _Record(endpoint, request_id(request), time.monotonic(), route.path)
         try:
-            error, key = self._keys.index(request.getHeader(b"authorization"))
-            if error is not None:
-                raise error
-            share = self.tenants.share(key, request.getHeader(b"x-rolemesh-tenant"),
-                                       request.getHeader(b"x-rolemesh-priority"))
-            if self.node.draining:
-                raise errors.shutting_down()
+            share = self.admit(request)
             body = request_body(request, self.config.max_request_body_bytes)
-            payload = parse_body(body, self.config.max_request_body_bytes)
-            model = self.node.resolve(payload["model"])
+            if route.body == FORM_BODY:
+                payload = None
+                content_type = request.getHeader(b"content-type") or b""
+                name = form_model(content_type, body, self.config.max_request_body_bytes)
+                shape: Optional[RequestShape] = RequestShape(headers=Headers({b"content-type": [content_type]}))
+            else:
+                payload = parse_body(body, self.config.max_request_body_bytes, model_required=False)
+                name = payload.get("model")
+                shape = _SHAPES.get(endpoint)
+            model, served_as = self.node.resolve_request(name)
             record.model = model.model_id
-            if model.lora_adapters:  # the agent sets the adapters' scales (one attribute test for the others)
-                body = with_lora(payload, model)
-            prompt = payload if endpoint != "embeddings" else None  # prefix affinity: not for embeddings
-            lease = self.node.lease_now(model, share, prompt)
-            acquired = self.node.acquire(model, share=share, prompt=prompt) if lease is None else None
+            if model.lora_adapters and payload is not None:  # the agent sets the adapters' scales
+                body = with_lora(payload, model, served_as)
+            prompt = payload if endpoint in PREFIXED else None  # prefix affinity: not for embeddings ...
         except Exception:
             return defer.fail().addBoth(self._proxied, request, record)
-        exchange = _Exchange(self, request, path, body, payload.get("stream") is True, record)
+        streaming = payload is not None and payload.get("stream") is True
+        exchange = _Exchange(self, request, route.path, body, streaming, record, shape, endpoint in PREFIXED)
+        return self.place(exchange, model, share, prompt, route.use)
+
+    def place(self, exchange: "_Exchange", model: ModelConfig, share: Share,
+              prompt: Optional[Mapping[str, Any]], use: str, load: bool = True) -> "defer.Deferred[None]":
+        """Relay ``exchange`` to a child of ``model``: a ready one at once
+        (pinned, for a use that takes no slot; else leased), else queued (a
+        load or a switch).  ``load`` False: only a ready child, never a load
+        (None comes back when there is none; a keyless request may not load
+        a model)."""
+        try:
+            pin = self.node.pin_now(model) if use != GENERATE else None
+            if pin is None and not load:
+                return None  # type: ignore[return-value]  # the caller answers it
+            lease: Optional[Union[Lease, Pin]] = pin if pin is not None else self.node.lease_now(model, share, prompt)
+            acquired = self.node.acquire(model, share=share, prompt=prompt) if lease is None else None
+        except Exception:
+            return defer.fail().addBoth(self._proxied, exchange.request, exchange.record)
         if acquired is None:
             exchange.start(lease)  # type: ignore[arg-type]  # not None when acquired is
         else:
             exchange.wait(acquired)
         return exchange.result
+
+    def admit(self, request: RouteRequest) -> Share:
+        """The request's tenant and band, once its key is checked (401) and
+        the node is not draining (503)."""
+        error, key = self._keys.index(request.getHeader(b"authorization"), request.getHeader(b"x-api-key"))
+        if error is not None:
+            raise error
+        share = self.tenants.share(key, request.getHeader(b"x-rolemesh-tenant"),
+                                   request.getHeader(b"x-rolemesh-priority"))
+        if self.node.draining:
+            raise errors.shutting_down()
+        return share
 
     def _proxied(self, result: Union[str, Failure], request: ProxiedRequest, record: "_Record") -> Optional[Failure]:
         """How it ended, for the record; logged and observed once the answer is out."""
@@ -284,7 +342,8 @@ class Relay:
         return failed
 
     def _after(self, outcome: Union[str, Failure], lease: Lease, request: ProxiedRequest, path: str, body: bytes,
-               streaming: bool, record: "_Record") -> "defer.Deferred[str]":
+               streaming: bool, record: "_Record", shape: Optional[RequestShape] = None,
+               counts: bool = True) -> "defer.Deferred[str]":
         """The rare ends of a relay: a child that gave no answer (once more to
         a fresh child, if it was unreachable) or none in time, or went silent
         mid-answer: it is checked.  Fires with the outcome, or fails."""
@@ -293,8 +352,8 @@ class Relay:
         forward = functools.partial(
             self.proxy.forward, request, path=path, body=body, streaming=streaming,
             timeout=self.config.request_timeout_s, idle_timeout=self.config.stream_idle_timeout_s,
-            on_first_byte=record.first_byte,
-            on_timings=None if record.endpoint == "embeddings" else functools.partial(
+            on_first_byte=record.first_byte, shape=shape,
+            on_timings=None if not counts else functools.partial(
                 self.node.prompt_cache.add, record.device, record.model))
         return self._not_answered(outcome, lease, forward)
 

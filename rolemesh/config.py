@@ -611,6 +611,22 @@ class NodeConfig:
         "their model; a `models` entry with the same `model_id` and no `path` refines it. Rescanned on reload. "
         "Files left out (not a GGUF, unreadable) are one warning line each. Relative to the working directory.",
         default_doc="unset")
+    # -- model names (issue 36: clients that send no model, or one of their own)
+    default_model: Optional[str] = key(
+        None, _string, "model id, alias or role",
+        "Where a request with no `model` goes (llama.cpp's native clients and editor plugins send none); "
+        "unset, such a request goes to the only model, or is a 400 that lists the models.",
+        default_doc="unset")
+    unknown_models: str = key(
+        "reject", _one_of("reject", "default"), "`reject` or `default`",
+        "A `model` that names nothing here: `reject` answers 404 listing the models; `default` serves it with "
+        "`default_model` (for tools that hard-code a model name, such as an Anthropic client's Claude model id), "
+        "logged once per name.")
+    cors_allowed_origins: Tuple[str, ...] = key(
+        ("*",), _string_list, "list of origins, or `[\"*\"]`",
+        "Browser origins allowed to call the API (CORS): a preflight `OPTIONS` is answered 200 without a key, "
+        "and answers to an allowed `Origin` carry `Access-Control-Allow-Origin` (the request itself still "
+        "needs the key). `[]` allows none.", default_doc="`[\"*\"]` (any, as llama-server)", nullable=True)
     #: As written until :func:`check_environment` resolves it on ``$PATH``.
     llama_server_bin: Optional[str] = key(
         None, _string, "path or command name", "The llama-server executable.",
@@ -1237,7 +1253,22 @@ def parse(data: Mapping[str, Any]) -> NodeConfig:
     })
     values.update(_listener(values))
     _dispatcher_tls(values)
+    _model_names(values)
     return NodeConfig(**values)
+
+
+def _model_names(values: Mapping[str, Any]) -> None:
+    """``default_model`` names a model here (an id, alias, adapter id or
+    role); ``unknown_models: default`` has one to go to."""
+    default = values.get("default_model")
+    models: Tuple[ModelConfig, ...] = values.get("models", ())
+    if default is not None and models:
+        names = {n for m in models for n in (*m.names, *m.roles, *(a.id for a in m.lora_adapters))}
+        if default not in names:
+            shown = ", ".join(sorted(m.model_id for m in models)[:20])
+            raise ConfigError(f"default_model: {_show(default)} names no model here (models: {shown})")
+    if values.get("unknown_models") == "default" and default is None:
+        raise ConfigError("unknown_models: `default` needs default_model set (the model such requests go to)")
 
 
 # --------------------------------------------------------------------------

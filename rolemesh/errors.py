@@ -2,13 +2,14 @@
 
 ``ConfigError`` is a user's mistake in configuration: the CLI prints its one
 line and exits 2.  ``ApiError`` is a request that cannot be served: the API
-layer renders it in OpenAI's error shape with its status.
+layer renders it with its status, in the shape of the API the route speaks
+(:func:`error_body`): Anthropic's on the Messages routes, OpenAI's elsewhere.
 """
 
 from __future__ import annotations
 
 import json
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import attr
 
@@ -39,9 +40,50 @@ class ApiError(Exception):
             }
         }
 
-    def json(self) -> bytes:
-        """The body as sent."""
-        return json.dumps(self.body()).encode("utf-8")
+    def anthropic_body(self) -> dict:
+        """The body in Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``),
+        the type by status (:data:`ANTHROPIC_TYPES`), so each SDK raises its class for it."""
+        kind = ANTHROPIC_TYPES.get(self.status) or ("api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def json(self, path: bytes = b"") -> bytes:
+        """The body as sent on ``path`` (the request target; it picks the shape)."""
+        return json.dumps(error_body(self, path)).encode("utf-8")
+
+
+#: Where the node's own errors take Anthropic's shape: the Messages API
+#: (``/v1/messages``, ``/v1/messages/count_tokens``, with or without a query).
+ANTHROPIC_PATHS = (b"/v1/messages",)
+
+#: Anthropic's error type for each status it documents (others: ``api_error``
+#: from 500 up, ``invalid_request_error`` below).  503 is the node's
+#: "overloaded" (loading, draining, backing off): the SDK's
+#: ServiceUnavailableError / InternalServerError, retried like Anthropic's 529.
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def speaks_anthropic(path: bytes) -> bool:
+    """Whether an answer on ``path`` (a request target) takes Anthropic's error shape."""
+    for prefix in ANTHROPIC_PATHS:
+        if path.startswith(prefix) and path[len(prefix):len(prefix) + 1] in (b"", b"/", b"?"):
+            return True
+    return False
+
+
+def error_body(error: ApiError, path: bytes = b"") -> dict:
+    """``error``'s JSON body in the shape of the API ``path`` belongs to."""
+    return error.anthropic_body() if speaks_anthropic(path) else error.body()
 
 
 def answer_headers(error: ApiError) -> List[Tuple[bytes, bytes]]:
@@ -54,10 +96,18 @@ def answer_headers(error: ApiError) -> List[Tuple[bytes, bytes]]:
     return headers
 
 
-def model_not_found(name: str) -> ApiError:
+def model_list(models: Sequence[Any], most: int = 20) -> str:
+    """The model ids of ``models`` for a message: the first ``most``, and how many more."""
+    ids = [m.model_id for m in models]
+    shown = ", ".join(ids[:most]) or "none"
+    return shown + (f" and {len(ids) - most} more" if len(ids) > most else "")
+
+
+def model_not_found(name: str, models: Sequence[Any] = ()) -> ApiError:
+    served = f" (models here: {model_list(models)})" if models else ""
     return ApiError(
         404,
-        f"The model {name!r} does not exist on this node",
+        f"The model {name!r} does not exist on this node{served}",
         "invalid_request_error",
         "model_not_found",
     )

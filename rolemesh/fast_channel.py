@@ -656,11 +656,13 @@ class FastChannel(Protocol):
             request = FastRequest(self, incoming.method, incoming.target, incoming.headers, b"")
             request._close_after = self._last
             self._current = request
+            if b"origin" in incoming.headers:
+                self._allow_origin(request, incoming.headers[b"origin"])
             request.setResponseCode(refusal.status)
             request.setHeader(b"content-type", b"application/json")
             for name, value in answer_headers(refusal):
                 request.setHeader(name, value)
-            request.finish(refusal.json())
+            request.finish(refusal.json(incoming.target))
             return
         route = self._routes.get((incoming.method, incoming.target)) if incoming.version == "1.1" else None
         if route is None:
@@ -668,6 +670,8 @@ class FastChannel(Protocol):
             return
         request = FastRequest(self, incoming.method, incoming.target, incoming.headers, incoming.body)
         request._close_after = self._last
+        if b"origin" in incoming.headers:  # a browser's request (CORS)
+            self._allow_origin(request, incoming.headers[b"origin"])
         request.key_checked = self._policy is not None  # it passed refuse_head
         self._current = request
         try:
@@ -676,6 +680,13 @@ class FastChannel(Protocol):
             result = defer.fail()
         self._current_result = result
         result.addCallbacks(self._route_succeeded, self._route_failed, callbackArgs=(request,), errbackArgs=(request,))
+
+    def _allow_origin(self, request: FastRequest, origin: bytes) -> None:
+        """``Access-Control-Allow-Origin`` for an origin the policy allows."""
+        allowed = self._policy.cors_origin(origin) if self._policy is not None else None
+        if allowed is not None:
+            request.setHeader(b"access-control-allow-origin", allowed)
+            request.setHeader(b"vary", b"Origin")
 
     def _route_succeeded(self, body: Optional[bytes], request: FastRequest) -> None:
         if request is self._current:

@@ -110,6 +110,10 @@ class HeadPolicy(Protocol):
         """The answer to give instead of serving the request, or None.
         ``path`` has no query; ``headers`` are ``{lower-case name: value}``."""
 
+    def cors_origin(self, origin: bytes, /) -> Optional[bytes]:
+        """The ``Access-Control-Allow-Origin`` value for a request from
+        ``origin`` (its ``Origin`` header), or None: not allowed."""
+
 
 class ChannelSite(Protocol):
     """What a :class:`~rolemesh.fast_channel.FastChannel` reads of the site

@@ -53,6 +53,24 @@ class Lease:
             self._release(self)
 
 
+class Pin:
+    """A use of a ready child that takes no generation slot (a token
+    utility): the lane it pinned (:meth:`Scheduler.pin`) and the child's
+    endpoint; ``release()`` unpins it, once."""
+
+    __slots__ = ("device", "endpoint", "_unpin")
+
+    def __init__(self, device: str, endpoint: ChildEndpoint, unpin: Callable[[str], None]) -> None:
+        self.device = device
+        self.endpoint = endpoint
+        self._unpin: Optional[Callable[[str], None]] = unpin
+
+    def release(self) -> None:
+        unpin, self._unpin = self._unpin, None
+        if unpin is not None:
+            unpin(self.device)
+
+
 @attr.s(eq=False, auto_attribs=True)
 class Acquisition:
     """A request's wait for its lease: the context of its ticket."""

@@ -40,6 +40,7 @@ from prometheus_client.utils import INF, floatToGoString
 from twisted.logger import Logger
 
 from rolemesh import __version__
+from rolemesh.api import PROXIED_ROUTES
 from rolemesh.config import NodeConfig
 from rolemesh.dispatcher import DispatcherState
 from rolemesh.supervisor import FAILED, READY, STARTING, STOPPED, STOPPING
@@ -60,8 +61,9 @@ class MetricsRoot(Protocol):
     @property
     def dispatcher(self) -> Optional[DispatcherClient]: ...
 
-#: The proxied endpoints, as the API names them in ``request`` events.
-ENDPOINTS = ("chat/completions", "completions", "embeddings")
+#: The proxied endpoints, as the API names them in ``request`` events (the
+#: route table's ``relayed`` names, each once, in table order).
+ENDPOINTS = tuple(dict.fromkeys(endpoint for endpoint, _ in PROXIED_ROUTES))
 _ENDPOINT_NAMES = frozenset(ENDPOINTS)
 #: Label value for a model (or endpoint, or status) that is not one we know.
 UNKNOWN = "unknown"

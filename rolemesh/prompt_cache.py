@@ -54,6 +54,32 @@ def prompt_timings(tail: bytes) -> Optional[Tuple[int, int]]:
     return None
 
 
+#: Anthropic's Messages answers carry no ``timings``: their ``usage`` says it
+#: (``cache_read_input_tokens``: from the cache; ``input_tokens``: processed),
+#: in a stream's first event (``message_start``), else in the answer.
+_USAGE = b'"usage":'
+_CACHE_READ = b'"cache_read_input_tokens":'
+_INPUT = b'"input_tokens":'
+
+
+def anthropic_usage(data: bytes) -> Optional[Tuple[int, int]]:
+    """``(cached, processed)`` prompt tokens of the first ``usage`` object
+    in ``data`` (a Messages answer, or its stream's first read); None
+    without one.  Byte searches, like :func:`prompt_timings`."""
+    at = data.find(_USAGE)
+    if at < 0:
+        return None
+    opened = data.find(b"{", at + len(_USAGE))
+    end = data.find(b"}", opened) if opened >= 0 else -1
+    if end < 0 or data[at + len(_USAGE):opened].strip():
+        return None
+    processed = _count(data, _INPUT, opened, end)
+    if processed is None:
+        return None
+    cached = _count(data, _CACHE_READ, opened, end)
+    return (cached if cached is not None else 0, processed)
+
+
 def _count(tail: bytes, key: bytes, opened: int, end: int) -> Optional[int]:
     """The whole number after ``key`` within ``tail[opened:end + 1]``, if any."""
     at = tail.find(key, opened, end)

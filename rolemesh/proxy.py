@@ -16,8 +16,9 @@ fails on a stale pooled connection before any byte was sent is retried once.
 from __future__ import annotations
 
 import json
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, Optional, Sequence, Tuple, Union
 
+import attr
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectError
@@ -36,7 +37,7 @@ from rolemesh.child_client import ChildAgent
 from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.event_loop.twisted_compat import client_disconnected, never_sent
 from rolemesh.interfaces import ChildRequester, IHTTPClientReactor, ProxiedRequest
-from rolemesh.prompt_cache import prompt_timings
+from rolemesh.prompt_cache import anthropic_usage, prompt_timings
 
 log = Logger()
 
@@ -79,6 +80,19 @@ STREAM_COALESCE_S = 0.008
 _DONE_END = b"\ndata: [DONE]\n\n"
 _DONE_LEN = len(_DONE_END)
 
+#: The last event of each API's stream, as the line that names it: the
+#: stream is whole once the blank line after it is in.  OpenAI's chat and
+#: completions end with ``data: [DONE]`` (the compare above); Anthropic's
+#: Messages with ``message_stop``, OpenAI's Responses with
+#: ``response.completed`` (or ``response.failed`` / ``response.incomplete``,
+#: the other ends of a response), neither with ``[DONE]``.
+DONE = b"[DONE]"
+STREAM_ENDS = {
+    "messages": (b"\nevent: message_stop\n",),
+    "responses": (b"\nevent: response.completed\n", b"\nevent: response.failed\n",
+                  b"\nevent: response.incomplete\n"),
+}
+
 #: Bytes of the read before the last one kept to find a ``timings`` object
 #: that two reads split (the object is about 350 bytes).
 TIMINGS_SPAN = 4096
@@ -88,6 +102,19 @@ TimingsCallback = Callable[[int, int], None]
 
 #: The headers of every request to a child (never changed: shared).
 _REQUEST_HEADERS = Headers({b"content-type": [b"application/json"], b"accept": [b"*/*"]})
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class RequestShape:
+    """How a request that is not a JSON POST to an OpenAI route goes to the
+    child and comes back: its method and headers (None: a JSON POST's), and
+    the lines that name its stream's last event (:data:`STREAM_ENDS`)."""
+
+    method: bytes = b"POST"
+    headers: Optional[Headers] = None
+    stream_ends: Tuple[bytes, ...] = ()
+    #: Whose stream it is (``openai``, ``anthropic``, ``responses``): how a cut one is ended.
+    api: str = "openai"
 
 
 class UpstreamUnreachable(Exception):
@@ -130,68 +157,6 @@ def _never_sent(failure: Failure) -> bool:
     return never_sent(failure)
 
 
-#: The most bytes of a child's error answer held to put it in OpenAI's shape;
-#: a longer one is relayed as it came.
-MAX_ERROR_BODY = 65536
-
-
-#: How llama-server's chat parser begins the message of a 500 for messages or
-#: tools it cannot read (a ``role`` missing or not a string, a ``name`` or a
-#: text part that is not a string; ``tools`` not a list of tools).  The
-#: request is at fault, and a client retries a 500 (the OpenAI SDK twice,
-#: each a turn of the device's queue), so the agent answers 400
-#: ``invalid_request``; ``tests/integration`` checks the wording against the
-#: real llama-server.
-UNREADABLE_CHAT = ("Failed to parse messages: ", "Failed to parse tools: ")
-
-
-def openai_error(body: bytes, status: int) -> Optional[Tuple[int, bytes]]:
-    """A child's error answer in OpenAI's shape, with the status to answer
-    it with; None when it is already in that shape (or is not a JSON error
-    object at all: relayed as it is).
-
-    llama-server's errors are ``{"error": {"code": 501, "message": ...,
-    "type": "not_supported_error"}}``: OpenAI's ``code`` is a string, so the
-    number becomes the type's name without ``_error`` (``not_supported``);
-    a missing ``type`` or ``message`` is filled in.  Other fields stay.  A
-    500 for chat messages or tools llama-server cannot read
-    (:data:`UNREADABLE_CHAT`) becomes a 400."""
-    try:
-        payload = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    error = payload.get("error") if isinstance(payload, dict) else None
-    if not isinstance(error, dict):
-        return None
-    code, kind, message = error.get("code"), error.get("type"), error.get("message")
-    if status == 500 and isinstance(message, str) and message.startswith(UNREADABLE_CHAT):
-        error.update(code="invalid_request", type="invalid_request_error")
-        return 400, json.dumps(payload).encode("utf-8")
-    if (code is None or isinstance(code, str)) and isinstance(kind, str) and isinstance(message, str):
-        return None
-    if not isinstance(kind, str) or not kind:
-        kind = "invalid_request_error" if status < 500 else "server_error"
-    if not isinstance(message, str) or not message:
-        message = f"llama-server answered {status}"
-    if not (code is None or isinstance(code, str)):
-        code = kind[: -len("_error")] if kind.endswith("_error") and kind != "_error" else kind
-    error.update(code=code, type=kind, message=message)
-    return status, json.dumps(payload).encode("utf-8")
-
-
-def _reshape(request: ProxiedRequest, body: bytes, status: int) -> bytes:
-    """``body``, a child's whole error answer of ``status``, as the client
-    gets it (:func:`openai_error`); the response's status changed with it
-    (nothing of the response is written yet)."""
-    shaped = openai_error(body, status)
-    if shaped is None:
-        return body
-    answer_status, body = shaped
-    if answer_status != status:
-        request.setResponseCode(answer_status)
-    return body
-
-
 def tell_timings(timings: TimingsCallback, found: Optional[Tuple[int, int]]) -> None:
     """Tell ``timings`` the figures ``found`` (:func:`prompt_timings`), if
     any; a bug in it is logged, never the relay's (or the request's) end."""
@@ -202,10 +167,18 @@ def tell_timings(timings: TimingsCallback, found: Optional[Tuple[int, int]]) -> 
             log.failure("counting an answer's prompt tokens failed")
 
 
-def sse_error_event(message: str) -> bytes:
-    """The event that ends a stream whose upstream died after it began."""
-    body = {"error": {"message": message, "type": "server_error", "code": "upstream_error"}}
-    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+def sse_error_event(message: str, api: str = "openai") -> bytes:
+    """The event that ends a stream whose upstream died after it began, as
+    the stream's API writes one: OpenAI's chat an error object and
+    ``[DONE]``; Anthropic's and the Responses API an ``error`` event (each
+    SDK raises it as an error)."""
+    error = {"message": message, "type": "server_error", "code": "upstream_error"}
+    if api == "anthropic":
+        body = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+    if api == "responses":
+        return b"event: error\ndata: " + json.dumps({"type": "error", "error": error}).encode() + b"\n\n"
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 class _Relay(Protocol):
@@ -214,15 +187,17 @@ class _Relay(Protocol):
 
     ``watch_done`` (an event stream): ``answered`` turns True once the
     stream's ``data: [DONE]`` was written to the client -- the client has its
-    whole answer then, whatever happens to the connections after it.
+    whole answer then, whatever happens to the connections after it;
+    ``ends``: the lines that name another API's last event instead
+    (:data:`STREAM_ENDS`), answered once the blank line after one is out.
 
     ``timings``: told the answer's prompt-token figures, once, from its
     ``timings`` (:func:`rolemesh.prompt_cache.prompt_timings` over its last
     two reads): a stream's when its ``[DONE]`` is in, else at the body's end."""
 
     def __init__(self, request: ProxiedRequest, ended: Callable[[bool], None], on_data: Callable[[], None],
-                 watch_done: bool = False, error_status: Optional[int] = None,
-                 timings: Optional[TimingsCallback] = None) -> None:
+                 watch_done: bool = False, timings: Optional[TimingsCallback] = None,
+                 ends: Sequence[bytes] = (), usage_first: bool = False) -> None:
         self._request = request
         self._ended = ended
         self._on_data = on_data
@@ -230,39 +205,62 @@ class _Relay(Protocol):
         self._timings = timings
         #: The last read and the one before it (where the timings are).
         self._last = self._before = b""
-        #: An error answer (``error_status``) is held, up to MAX_ERROR_BODY,
-        #: and written in OpenAI's shape at its end; None: relayed as it comes.
-        self._error_status = error_status
-        self._held: Optional[List[bytes]] = [] if error_status is not None else None
-        self._held_bytes = 0
         #: The last bytes written (for a [DONE] split across reads; the
         #: stream begins at a line start); None when not watching, or once answered.
-        self._tail: Optional[bytes] = b"\n" if watch_done else None
+        self._tail: Optional[bytes] = b"\n" if watch_done and not ends else None
+        #: Another API's last-event lines, and the bytes kept to find one split by a read.
+        self._ends = tuple(ends) if watch_done else ()
+        self._end_tail = b"\n"
+        #: Whether the last event has begun (its blank line ends the stream).
+        self._final = False
+        #: The prompt-token figures are in the first read's ``usage`` (Anthropic's stream).
+        self._usage_first = usage_first and timings is not None
 
     def connectionMade(self) -> None:
         self._request.registerProducer(self.transport, True)  # type: ignore[arg-type]  # a TransportProxyProducer
 
     def dataReceived(self, data: bytes) -> None:
         self._on_data()
-        held = self._held
-        if held is not None:
-            held.append(data)
-            self._held_bytes += len(data)
-            if self._held_bytes <= MAX_ERROR_BODY:
-                return
-            self._held = None  # too long for an error object: relayed as it came
-            data = b"".join(held)
         self._request.write(data)
+        if self._usage_first:
+            self._usage_first = False
+            timings, self._timings = self._timings, None
+            tell_timings(timings, anthropic_usage(data))  # type: ignore[arg-type]  # set: usage_first
         self._before, self._last = self._last, data
         tail = self._tail
         if tail is not None:
             end = data[-_DONE_LEN:] if len(data) >= _DONE_LEN else (tail + data)[-_DONE_LEN:]
             if end == _DONE_END:
-                self.answered, self._tail = True, None
-                if self._timings is not None:
-                    self._found_timings()
+                self._answered()
             else:
                 self._tail = end
+        elif self._ends and not self.answered:
+            self._watch_end(data)
+
+    def _answered(self) -> None:
+        self.answered, self._tail = True, None
+        if self._timings is not None:
+            self._found_timings()
+
+    def _watch_end(self, data: bytes) -> None:
+        """Another API's stream: its last event's line, then the blank line
+        that ends that event (a JSON ``data:`` line holds no raw newline)."""
+        seen = self._end_tail + data
+        if not self._final:
+            found = -1
+            for line in self._ends:
+                at = seen.find(line)
+                if at >= 0:
+                    found = at + len(line)
+                    break
+            if found < 0:
+                self._end_tail = seen[-40:]
+                return
+            self._final, seen = True, seen[found - 1:]
+        if b"\n\n" in seen:
+            self._answered()
+        else:
+            self._end_tail = seen[-1:]
 
     def _found_timings(self) -> None:
         """Tell ``timings`` what the last reads say (once; nothing if they have none)."""
@@ -288,12 +286,6 @@ class _Relay(Protocol):
         whole = isinstance(reason.value, (ResponseDone, PotentialDataLoss))  # Failure.check, cheaper
         if self._timings is not None:
             self._found_timings()
-        held, self._held = self._held, None
-        if held:
-            body = b"".join(held)
-            if whole and self._error_status is not None:
-                body = _reshape(self._request, body, self._error_status)  # its length was not sent
-            self._request.write(body)
         self._ended(whole)
 
 
@@ -309,8 +301,12 @@ class Forward:
     def __init__(self, proxy: "Proxy", request: ProxiedRequest, url: bytes, body: bytes, streaming: bool,
                  timeout: Optional[float], idle_timeout: Optional[float],
                  on_first_byte: Optional[Callable[[], None]], ended: Callable[[Union[str, Failure]], None],
-                 on_timings: Optional[TimingsCallback] = None) -> None:
+                 on_timings: Optional[TimingsCallback] = None, shape: Optional["RequestShape"] = None) -> None:
         self.proxy = proxy
+        #: The method, headers and last-event lines of a request that is not a
+        #: JSON POST to an OpenAI route (None: one that is, nearly every one).
+        self.shape = shape
+        self.stream_ends: Sequence[bytes] = shape.stream_ends if shape is not None else ()
         self.request = request
         self.url = url
         self.body = body
@@ -369,7 +365,7 @@ class Forward:
     def _send(self, fresh: bool) -> None:
         """Send the request: on a pooled connection, or (``fresh``) on one of
         its own -- the one retry, after a pooled connection turned out stale."""
-        self._upstream = self.proxy._send(self.url, self.body, fresh=fresh)
+        self._upstream = self.proxy._send(self.url, self.body, fresh=fresh, shape=self.shape)
         self._upstream.addCallbacks(self._got_response, self._send_failed, errbackArgs=(fresh,))
         self._upstream.addErrback(self._bug)
 
@@ -452,23 +448,21 @@ class Forward:
             request.setHeader(b"cache-control", b"no-cache")
         whole = getattr(response, "whole_body", None)  # ChildAgent's answers have it; others deliver
         body = whole() if whole is not None else None
-        error_status = response.code if response.code >= 400 and not self.event_stream else None
         timings = self.on_timings if 200 <= response.code < 300 else None
         if body is not None:
             if timings is not None:
-                tell_timings(timings, prompt_timings(body))
-            if error_status is not None:
-                body = _reshape(request, body, error_status)
-                request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
+                found = prompt_timings(body)
+                if found is None and self.shape is not None and self.shape.api == "anthropic":
+                    found = anthropic_usage(body)
+                tell_timings(timings, found)
             if body:
                 self._on_data()
                 request.write(body)
             self._body_ended(True)
             return
-        if error_status is not None:
-            request.responseHeaders.removeHeader(b"content-length")  # its length may change
         self.relay = _Relay(request, self._body_ended, self._on_data, watch_done=self.event_stream,
-                            error_status=error_status, timings=timings)
+                            timings=timings, ends=self.stream_ends,
+                            usage_first=self.shape is not None and self.shape.api == "anthropic")
         response.deliverBody(self.relay)
         if self.idle_timeout is not None and not self.body_ended:
             # Not for an answer that came whole with its head (most non-streamed ones).
@@ -497,7 +491,7 @@ class Forward:
         off is ended by aborting the client's connection, so the client sees
         a cut answer, never a clean end of a partial one."""
         if self.event_stream and why is not None:
-            self.request.write(sse_error_event(why))
+            self.request.write(sse_error_event(why, self.shape.api if self.shape is not None else "openai"))
         else:
             _abort_client(self.request)
 
@@ -563,9 +557,13 @@ class Proxy(UsesReactor[IHTTPClientReactor]):
             return defer.succeed(None)
         return self._pool.closeCachedConnections()
 
-    def _send(self, url: bytes, body: bytes, fresh: bool) -> "Deferred[IResponse]":
+    def _send(self, url: bytes, body: bytes, fresh: bool, shape: Optional[RequestShape] = None
+              ) -> "Deferred[IResponse]":
         agent = self.fresh_agent if fresh else self.agent
-        return agent.request(b"POST", url, _REQUEST_HEADERS, BytesProducer(body))
+        if shape is None:
+            return agent.request(b"POST", url, _REQUEST_HEADERS, BytesProducer(body))
+        return agent.request(shape.method, url, shape.headers or _REQUEST_HEADERS,
+                             BytesProducer(body) if body or shape.method not in (b"GET", b"HEAD") else None)
 
     def forward(
         self,
@@ -578,6 +576,7 @@ class Proxy(UsesReactor[IHTTPClientReactor]):
         on_first_byte: Optional[Callable[[], None]] = None,
         idle_timeout: Optional[float] = None,
         on_timings: Optional[TimingsCallback] = None,
+        shape: Optional[RequestShape] = None,
     ) -> "Deferred[str]":
         """Relay ``body`` to ``base_url + path`` and the answer to ``request``.
 
@@ -595,7 +594,7 @@ class Proxy(UsesReactor[IHTTPClientReactor]):
         result: "Deferred[str]" = Deferred(lambda _: exchange.cancel())
         exchange = self.start(request, base_url, path, body, streaming, timeout, on_first_byte, idle_timeout,
                               ended=lambda outcome: result.callback(outcome),  # a Failure errbacks
-                              on_timings=on_timings)
+                              on_timings=on_timings, shape=shape)
         return result
 
     def start(
@@ -610,6 +609,7 @@ class Proxy(UsesReactor[IHTTPClientReactor]):
         idle_timeout: Optional[float],
         ended: Callable[[Union[str, Failure]], None],
         on_timings: Optional[TimingsCallback] = None,
+        shape: Optional[RequestShape] = None,
     ) -> "Forward":
         """:meth:`forward` without its Deferred (the request path's own,
         which runs for every request): ``ended`` is told the outcome or the
@@ -617,7 +617,7 @@ class Proxy(UsesReactor[IHTTPClientReactor]):
         exchange when the client goes away."""
         url = (base_url + path).encode("ascii")
         return Forward(self, request, url, body, streaming, timeout, idle_timeout, on_first_byte, ended,
-                       on_timings).start()
+                       on_timings, shape).start()
 
     @staticmethod
     def _client_gone(request: ProxiedRequest) -> bool:

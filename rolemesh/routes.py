@@ -25,6 +25,21 @@ from rolemesh.fast_channel import FastRoute
 #: A werkzeug path parameter (``<device>``): a path with one is no fast route.
 _PARAMETER = re.compile(r"<[^>]*>")
 
+#: What a relayed route asks of its model's child.  ``GENERATE``: a
+#: generation slot, queued like chat (fair order, caps, switches).
+#: ``TOKENS``: the child only (tokenize, count tokens, apply a template):
+#: served at once by a ready child of the model, beside its generations,
+#: with no switch under it; where none is ready, queued like ``GENERATE``
+#: to load it.  ``PASSTHROUGH``: ``/upstream/<model>/<path>``, any method
+#: and path to that model's child (rolemesh/api_upstream.py).
+GENERATE = "generate"
+TOKENS = "tokens"
+PASSTHROUGH = "passthrough"
+#: How a relayed route's body names its model: a JSON object's ``model``, or
+#: a multipart form's ``model`` field (``/v1/audio/transcriptions``).
+JSON_BODY = "json"
+FORM_BODY = "form"
+
 
 @attr.s(frozen=True, slots=True, auto_attribs=True)
 class Route:
@@ -33,10 +48,12 @@ class Route:
     ``handler`` is a dotted attribute path from the object serving the routes
     (``"node_routes.inventory"``), called with the request and the path's
     parameters; for a route ``relayed`` to llama-server, with the request,
-    the endpoint name (what its requests are logged and counted under) and
-    the path.  ``fast``: the fast path serves it too (an exact path; a
-    handler that is not relayed answers at once, with bytes).  ``open``: no
-    API key needed."""
+    the route itself and the path's parameters.  ``relayed`` is the endpoint
+    name its requests are logged and counted under; ``use`` what it needs
+    of the child (:data:`GENERATE`, :data:`TOKENS`, :data:`PASSTHROUGH`),
+    ``body`` how its body names the model.  ``fast``: the fast path serves
+    it too (an exact path; a handler that is not relayed answers at once,
+    with bytes).  ``open``: no API key needed."""
 
     method: str
     path: str
@@ -44,6 +61,8 @@ class Route:
     fast: bool = False
     open: bool = False
     relayed: Optional[str] = None
+    use: str = GENERATE
+    body: str = JSON_BODY
 
     def __attrs_post_init__(self) -> None:
         if self.method != self.method.upper() or not self.method.isalpha():
@@ -52,6 +71,8 @@ class Route:
             raise ValueError(f"{self.method} {self.path}: the path begins with /")
         if self.fast and _PARAMETER.search(self.path):
             raise ValueError(f"{self.method} {self.path}: a fast route's path has no parameters")
+        if self.use not in (GENERATE, TOKENS, PASSTHROUGH) or self.body not in (JSON_BODY, FORM_BODY):
+            raise ValueError(f"{self.method} {self.path}: use {self.use!r}, body {self.body!r}: unknown")
 
     @property
     def key(self) -> Tuple[bytes, bytes]:
@@ -82,11 +103,9 @@ def _klein_handler(route: Route) -> Callable[..., Any]:
     """What Klein calls for ``route``: ``(server, request, **parameters)``."""
     get = operator.attrgetter(route.handler)
     if route.relayed is not None:
-        endpoint, path = route.relayed, route.path
-
-        def relayed(server: Any, request: Any) -> Any:
+        def relayed(server: Any, request: Any, **parameters: Any) -> Any:
             # Klein's requests are twisted.web's, ProxiedRequests (see rolemesh/listener.py).
-            return get(server)(request, endpoint, path)
+            return get(server)(request, route, **parameters)
         return relayed
 
     def handler(server: Any, request: Any, **parameters: Any) -> Any:
@@ -123,10 +142,8 @@ def _fast_route(route: Route, server: Any,
     handlers) done by ``fail``."""
     handler = operator.attrgetter(route.handler)(server)
     if route.relayed is not None:
-        endpoint, path = route.relayed, route.path
-
         def relayed(request: Any) -> "defer.Deferred[Optional[bytes]]":
-            return handler(request, endpoint, path).addErrback(fail, request)  # type: ignore[no-any-return]
+            return handler(request, route).addErrback(fail, request)  # type: ignore[no-any-return]
         return relayed
 
     def at_once(request: Any) -> "defer.Deferred[Optional[bytes]]":

@@ -44,6 +44,13 @@ Prefix affinity (see :mod:`rolemesh.prefix`): a request may name a lane it prefe
 (``prefer``) among those holding its model; it gets it unless that lane has
 more than ``max_imbalance`` pending requests more than the least busy one.
 
+Pins: a use of a lane's child that takes no generation slot (tokenize, count
+tokens, apply a template: ms of work, never worth a queue) *pins* a lane that
+holds its model (:meth:`Scheduler.pin`).  A pin counts in no slot, queue or
+tenant count, and holds off a switch (and an unload) like a running request,
+so no child is replaced under it; :meth:`Scheduler.unpin` lets a waiting
+switch go.
+
 Memory: a request may say how many bytes it needs per lane; among lanes
 without the model, those whose free memory (plus what the models they would
 evict hold) covers the need come first.
@@ -136,6 +143,8 @@ class DeviceBook:
     running: List[Ticket] = attr.Factory(list)
     queue: Deque[Ticket] = attr.Factory(collections.deque)
     fair: FairOrder = attr.Factory(FairOrder)
+    #: Uses of its child that take no slot, under way (:meth:`Scheduler.pin`).
+    pinned: int = 0
 
     @property
     def pending(self) -> int:
@@ -348,6 +357,26 @@ class Scheduler:
         book.running.append(ticket)
         return ticket
 
+    def pin(self, model_id: str, lanes: Optional[Sequence[str]] = None,
+            ready: Callable[[str], bool] = lambda lane: True) -> Optional[str]:
+        """A lane that holds ``model_id`` and is ``ready``, pinned for a use
+        that takes no slot (module docstring): the least busy of them; None
+        when no lane holds it (the caller queues a request, which loads it)."""
+        names = lanes if lanes is not None else [n for n, b in self.devices.items() if not b.is_group]
+        holding = [b for b in (self.devices[n] for n in names) if b.model == model_id and ready(b.name)]
+        if not holding:
+            return None
+        book = min(holding, key=lambda b: (b.pending, b.order))
+        book.pinned += 1
+        return book.name
+
+    def unpin(self, lane: str) -> None:
+        """A pin of :meth:`pin` is over: a switch waiting for it may go."""
+        book = self.devices[lane]
+        book.pinned = max(0, book.pinned - 1)
+        if not book.pinned:
+            self._settle(book)
+
     # -- events ---------------------------------------------------------------
 
     def finish(self, ticket: Ticket) -> None:
@@ -469,9 +498,9 @@ class Scheduler:
                     self._start(book, ticket)
                     started = True
                     continue
-            if book.running:
-                return started  # never switch under requests in flight
-            if any(o.running for o in self.overlaps[book.name]):
+            if book.running or book.pinned:
+                return started  # never switch under requests in flight (or a pin)
+            if any(o.running or o.pinned for o in self.overlaps[book.name]):
                 return started  # nor while another lane uses one of its devices
             book.queue.popleft()
             self._start(book, head)  # the switch
