@@ -99,11 +99,10 @@ ROUTES: Tuple[Route, ...] = (
     # Everything else a child serves (its web UI, /slots, /props, /metrics), by model.
     *(Route(method, path, "upstream.serve", relayed="upstream", use=PASSTHROUGH)
       for path in ("/upstream/<model>/", "/upstream/<model>/<path:rest>") for method in UPSTREAM_METHODS),
-    Route("GET", "/upstream/<model>", "upstream.to_slash", open=True),
-    # CORS preflights, on every path, without a key (the request itself needs one).
-    Route("OPTIONS", "/", "node_routes.preflight", open=True),
-    Route("OPTIONS", "/<path:anything>", "node_routes.preflight", open=True),
+    Route("GET", "/upstream/<model>", "upstream.to_slash"),
 )
+# A CORS preflight (OPTIONS, any path) is no route: NodeRoutes.preflight answers
+# every one, without a key, in front of Klein (the request itself needs the key).
 #: What Klein answers a failure with, tried in this order (the fast path: ErrorAnswers.fast_error).
 ERROR_HANDLERS: Tuple[Tuple[Tuple[type, ...], str], ...] = (
     ((errors.ApiError,), "answers.api_error"),
@@ -160,7 +159,7 @@ class NodeAPI:
         self.node_routes.use_config(config)
 
     def resource(self) -> IResource:
-        return Utf8Guard(self.app.resource(), self.cors_origin)
+        return Utf8Guard(self.app.resource(), self.cors_origin, self.node_routes.preflight)
 
     def cors_origin(self, origin: bytes) -> Optional[bytes]:
         """``origin`` itself where ``cors_allowed_origins`` allows it (``*``:
@@ -189,7 +188,9 @@ class NodeAPI:
         preflight (``OPTIONS``) needs no key, nor does a GET under
         ``/upstream/`` (a browser's first look at a child's web UI: the
         route serves its static files without one, and nothing else)."""
-        if path not in OPEN_ROUTES and method != b"OPTIONS" and not (
+        if method == b"OPTIONS":
+            return None  # a CORS preflight, answered in front of the routes (NodeRoutes.preflight)
+        if path not in OPEN_ROUTES and not (
                 path.startswith(b"/upstream/") and method in (b"GET", b"HEAD")):
             error = self.keys.error(headers.get(b"authorization"), headers.get(b"x-api-key"))
             if error is not None:

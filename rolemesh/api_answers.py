@@ -146,19 +146,22 @@ def form_model(content_type: bytes, body: bytes, limit: int) -> Optional[str]:
 
 
 class Utf8Guard(Resource):
-    """Answers a URL path or Host header that is not UTF-8 (or a Host that is
-    no IDNA name) with a JSON 400.
-
-    Klein answers those itself in plain text, and logs each as an error.
-    """
+    """In front of the Klein routes: answers a URL path or Host header that
+    is not UTF-8 (or a Host that is no IDNA name) with a JSON 400 (Klein
+    answers those itself in plain text, and logs each as an error); sets
+    ``Access-Control-Allow-Origin`` for an allowed ``Origin``, and answers a
+    CORS preflight (``OPTIONS``) on any path, before any route."""
 
     isLeaf = True
 
-    def __init__(self, inner: IResource, cors_origin: Optional[Callable[[bytes], Optional[bytes]]] = None) -> None:
+    def __init__(self, inner: IResource, cors_origin: Optional[Callable[[bytes], Optional[bytes]]] = None,
+                 preflight: Optional[Callable[[IRequest], bytes]] = None) -> None:
         super().__init__()
         self._inner = inner
         #: ``Access-Control-Allow-Origin`` for an ``Origin`` (the head policy's), as the fast path sets it.
         self._cors_origin = cors_origin
+        #: What answers a CORS preflight (``OPTIONS``, any path), before any route.
+        self._preflight = preflight
 
     def render(self, request: IRequest) -> Union[bytes, int]:
         origin = request.getHeader(b"origin")
@@ -167,6 +170,8 @@ class Utf8Guard(Resource):
             if allowed is not None:
                 request.setHeader(b"access-control-allow-origin", allowed)
                 request.setHeader(b"vary", b"Origin")
+        if request.method == b"OPTIONS" and self._preflight is not None:
+            return self._preflight(request)
         try:
             b"/".join(request.prepath + request.postpath).decode("utf-8")
             request.getRequestHostname().decode("utf-8").encode("idna")  # werkzeug's routing needs an IDNA name

@@ -113,7 +113,7 @@ class NodeRoutes:
         return json_answer(request, 200, {"service": "rolemesh-node-agent", "api": "/v1",
                                           "models": "/v1/models", "health": "/health"})
 
-    def preflight(self, request: IRequest, anything: str = "") -> bytes:
+    def preflight(self, request: IRequest) -> bytes:
         """A CORS preflight (``OPTIONS``, any path): 200 without a key, as
         llama-server answers it; the allowed origin gets the
         ``Access-Control-*`` headers (the listener adds the origin itself)."""

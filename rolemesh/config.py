@@ -384,8 +384,8 @@ def render_default(value: Any) -> str:
         return "unset"
     if isinstance(value, bool):
         return "`true`" if value else "`false`"
-    if value == ():
-        return "`[]`"
+    if isinstance(value, tuple):
+        return "`[" + ", ".join(json.dumps(v) for v in value) + "]`"
     return f"`{value}`"
 
 
@@ -626,7 +626,7 @@ class NodeConfig:
         ("*",), _string_list, "list of origins, or `[\"*\"]`",
         "Browser origins allowed to call the API (CORS): a preflight `OPTIONS` is answered 200 without a key, "
         "and answers to an allowed `Origin` carry `Access-Control-Allow-Origin` (the request itself still "
-        "needs the key). `[]` allows none.", default_doc="`[\"*\"]` (any, as llama-server)", nullable=True)
+        "needs the key). `[]` allows none; `[\"*\"]` allows any origin, as llama-server does.")
     #: As written until :func:`check_environment` resolves it on ``$PATH``.
     llama_server_bin: Optional[str] = key(
         None, _string, "path or command name", "The llama-server executable.",

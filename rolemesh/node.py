@@ -43,6 +43,7 @@ from rolemesh.events import Events
 from rolemesh.fairqueue import DEFAULT_SHARE, Share
 from rolemesh.interfaces import IDeviceBackend, IHTTPClientReactor
 from rolemesh.leases import Lease, LeaseStarts, Pin, refuse_waiting
+from rolemesh.model_names import ModelNames
 from rolemesh.node_events import NodeFeed
 from rolemesh.node_views import NodeViews
 from rolemesh.placement import Placement
@@ -77,8 +78,6 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
     ) -> None:
         super().__init__()
         self.config = config
-        #: Model names served with default_model (unknown_models: default), each logged once.
-        self._defaulted: set = set()
         self.backend = backend
         self.devices = list(devices)
         self._reactor = reactor
@@ -97,6 +96,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             lambda ticket: self.leases.start(ticket), groups=self.groups,
         )
         current = self._current_config
+        #: What a request's ``model`` names (rolemesh.model_names).
+        self.names = ModelNames(current, self.loaded_on)
         books = self.scheduler.devices
         #: The last device metrics sample per device (stale ones marked so).
         self.metrics: Dict[str, DeviceMetrics] = {}
@@ -218,48 +219,12 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         return [n for n, s in self.supervisors.items() if s.loading_or_loaded == model_id]
 
     def resolve_request(self, name: Optional[str]) -> Tuple[ModelConfig, str]:
-        """The model a request's ``model`` (None: it sent none) names, and
-        the name it is served under (what :meth:`resolve` took: the
-        request's own, or ``default_model``).  No name: ``default_model``,
-        else the only model, else a 400 that lists them.  A name that
-        names nothing: 404 (listing them), or with ``unknown_models:
-        default``, ``default_model`` (logged once per name)."""
-        config = self.config
-        if name is None:
-            if config.default_model is not None:
-                return self.resolve(config.default_model), config.default_model
-            if len(config.models) == 1:
-                return config.models[0], config.models[0].model_id
-            raise errors.ApiError(400, f'the request names no "model"; this node serves several '
-                                       f'({errors.model_list(config.models)}): name one, or set default_model',
-                                  "invalid_request_error", "missing_model")
-        try:
-            return self.resolve(name), name
-        except errors.ApiError:
-            if config.unknown_models != "default" or config.default_model is None:
-                raise
-        if name not in self._defaulted:
-            if len(self._defaulted) < 256:
-                self._defaulted.add(name)
-            log.info("model {name!r} is not served here: its requests go to default_model {default} "
-                     "(unknown_models: default)", name=name, default=config.default_model)
-        return self.resolve(config.default_model), config.default_model
+        """A request's model and the name it is served under (see :meth:`ModelNames.for_request`)."""
+        return self.names.for_request(name)
 
     def resolve(self, name: str) -> ModelConfig:
-        """``model_id`` or alias; else a LoRA adapter's id (its base model:
-        placed, queued and switched as the base, :mod:`rolemesh.adapters`);
-        else a role (preferring a loaded model); else 404."""
-        for model in self.config.models:
-            if name in model.names:
-                return model
-        for model in self.config.models:
-            if any(adapter.id == name for adapter in model.lora_adapters):
-                return model
-        serving = [m for m in self.config.models if name in m.roles]
-        if not serving:
-            raise errors.model_not_found(name, self.config.models)
-        loaded = [m for m in serving if self.loaded_on(m.model_id)]
-        return (loaded or serving)[0]
+        """The model ``name`` names, or 404 (see :func:`rolemesh.model_names.resolve`)."""
+        return self.names.resolve(name)
 
     def leaving_models(self) -> Tuple[ModelConfig, ...]:
         """Removed models still busy here (see :meth:`NodeViews.leaving_models`)."""

@@ -30,8 +30,11 @@ MAX_HASHES = 32
 def prefix_hashes(payload: Mapping[str, Any]) -> List[int]:
     """Cumulative hashes of the prompt's prefixes, shortest first.
 
-    Chat: one hash after each message (role and content), so a later turn,
-    which repeats the earlier messages, shares the earlier turn's hashes.
+    Chat (OpenAI's ``messages``, Anthropic's, the Responses API's
+    ``input``): one hash after each message (role and content), so a later
+    turn, which repeats the earlier messages, shares the earlier turn's
+    hashes; before them one of the system prompt (``system``,
+    ``instructions``) and the tools, where the request has them.
     Completions: one after each :data:`BLOCK_CHARS` characters of the prompt
     (and its end).  Python's ``hash`` of a tuple: C speed, computed once per
     string; stable within the process, which is all the memory needs.
@@ -39,7 +42,18 @@ def prefix_hashes(payload: Mapping[str, Any]) -> List[int]:
     by llama-server)."""
     out: List[int] = []
     h = 0
+    # What comes before the turns, as each API shapes it: Anthropic's
+    # ``system``, the Responses API's ``instructions``, and the tools: one
+    # hash, the first.
+    head = payload.get("system") or payload.get("instructions")
+    tools = payload.get("tools")
+    if head or tools:
+        h = hash(("head", head if isinstance(head, str) else repr(head), repr(tools) if tools else None))
+        out.append(h)
     messages = payload.get("messages")
+    if messages is None:  # the Responses API's turns: a list of items, or one text
+        given = payload.get("input")
+        messages = [{"role": "user", "content": given}] if isinstance(given, str) else given
     if isinstance(messages, list):
         for message in messages[:MAX_HASHES]:
             if isinstance(message, dict):

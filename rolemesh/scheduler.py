@@ -357,13 +357,9 @@ class Scheduler:
         book.running.append(ticket)
         return ticket
 
-    def pin(self, model_id: str, lanes: Optional[Sequence[str]] = None,
-            ready: Callable[[str], bool] = lambda lane: True) -> Optional[str]:
-        """A lane that holds ``model_id`` and is ``ready``, pinned for a use
-        that takes no slot (module docstring): the least busy of them; None
-        when no lane holds it (the caller queues a request, which loads it)."""
-        names = lanes if lanes is not None else [n for n, b in self.devices.items() if not b.is_group]
-        holding = [b for b in (self.devices[n] for n in names) if b.model == model_id and ready(b.name)]
+    def pin(self, model_id: str, lanes: Sequence[str], ready: Callable[[str], bool] = bool) -> Optional[str]:
+        """Pin the least busy lane that holds ``model_id`` and is ``ready`` (module docstring); None if none does."""
+        holding = [b for b in (self.devices[n] for n in lanes) if b.model == model_id and ready(b.name)]
         if not holding:
             return None
         book = min(holding, key=lambda b: (b.pending, b.order))
@@ -371,11 +367,10 @@ class Scheduler:
         return book.name
 
     def unpin(self, lane: str) -> None:
-        """A pin of :meth:`pin` is over: a switch waiting for it may go."""
         book = self.devices[lane]
         book.pinned = max(0, book.pinned - 1)
         if not book.pinned:
-            self._settle(book)
+            self._settle(book)  # a switch waiting for the pin may go
 
     # -- events ---------------------------------------------------------------
 
@@ -423,8 +418,7 @@ class Scheduler:
         self.devices[device].free_memory = free_bytes
 
     def is_idle(self, device: str) -> bool:
-        book = self.devices[device]
-        return not book.running and not book.queue
+        return not self.devices[device].running and not self.devices[device].queue
 
     # -- the per-lane loop -----------------------------------------------------
 

@@ -171,10 +171,11 @@ class HealthAndModelsTests(ApiTestCase):
             self.assertEqual((entry["loaded_on"], entry["loading_on"]), ([], []))
         by_id = {m["id"]: m for m in body["data"]}
         self.assertEqual(by_id["a"]["roles"], ["chat"])
-        self.assertEqual(by_id["a"]["aliases"], ["alpha"])
+        self.assertEqual(by_id["a"]["aliases"], ["a", "alpha"])  # llama-server's entries list every name
         self.assertEqual(by_id["b"]["roles"], ["chat", "summarize"])
-        self.assertNotIn("aliases", by_id["b"])
-        self.assertEqual(by_id["e"]["aliases"], ["emb"])
+        self.assertEqual(by_id["b"]["aliases"], ["b"])
+        self.assertEqual(by_id["e"]["aliases"], ["e", "emb"])
+        self.assertEqual((by_id["b"]["tags"], by_id["b"]["architecture"]["input_modalities"]), ([], ["text"]))
 
     def test_models_show_where_loading_and_loaded(self) -> None:
         h = self.h
@@ -291,8 +292,7 @@ class ProxiedRequestTests(ApiTestCase):
 
         self.h.agent.auto = bad
         answer = self.h.chat({"model": "a"})
-        error = self.assertError(answer, 400, "invalid_request")  # llama-server's numeric code, as a string
-        self.assertEqual((error["message"], error["type"]), ("messages required", "invalid_request_error"))
+        self.assertEqual((answer.code, answer.body), (400, body))  # unchanged: llama-server's numeric code stays
 
     def test_the_log_line_says_where_a_request_went_or_that_it_reached_no_device(self) -> None:
         from twisted.logger import capturedLogs, formatEvent
@@ -716,13 +716,25 @@ class AuthTests(ApiTestCase):
             {"Authorization": ""},
             {"Authorization": f"Bearer {KEY} {KEY}"},
             {"Authorization": "Bearer sk-r\u00e9le"},
-            {"X-Api-Key": KEY},
+            {"X-Api-Key": "wrong"},
+            {"X-Api-Key": f"Bearer {KEY}"},
         ]
         for headers in wrong:
             for method, path, body in self.ROUTES:
                 answer = self.collect(self.h.call(method, path, body, headers=headers, key=None))
                 self.assertError(answer, 401, "invalid_api_key")
         self.assertEqual(self.h.agent.attempts, [])
+
+    def test_an_anthropic_clients_x_api_key_is_accepted(self) -> None:
+        """``x-api-key: <key>`` (what Anthropic's SDK sends) passes on every
+        route, as llama-server takes it; so does a right key in either
+        header when the other is wrong."""
+        self.loaded("a")
+        for headers in ({"X-Api-Key": KEY}, {"Authorization": "Bearer wrong", "X-Api-Key": KEY},
+                        {"Authorization": f"Bearer {KEY}", "X-Api-Key": "wrong"}):
+            for method, path, body in self.ROUTES[:5]:
+                answer = self.collect(self.h.call(method, path, body, headers=headers, key=None))
+                self.assertEqual(answer.code, 200, (path, headers, answer.body))
 
     def test_right_key_is_accepted(self) -> None:
         self.loaded("a")

@@ -17,7 +17,10 @@ from rolemesh import errors
 from rolemesh.api_keys import ApiKeys
 from rolemesh.api_relay import RECORD_DELAY_S, Relay, RequestLog, _Record, request_id
 from rolemesh.errors import ApiError
+from rolemesh.routes import Route
 from tests.test_api import CHAT, ApiHarness
+
+CHAT_ROUTE = Route("POST", "/v1/chat/completions", "relay.serve", relayed="chat/completions")
 
 
 class Request(DummyRequest):
@@ -100,7 +103,7 @@ class RelayTests(SynchronousTestCase):
                            [lambda event, **f: self.seen.append(f)])
 
     def refused(self, r: DummyRequest) -> ApiError:
-        failure = self.failureResultOf(self.relay.serve(r, "chat/completions", "/v1/chat/completions"), ApiError)
+        failure = self.failureResultOf(self.relay.serve(r, CHAT_ROUTE), ApiError)
         self.h.reactor.advance(RECORD_DELAY_S)
         self.assertEqual(self.seen[-1]["status"], failure.value.status)
         return failure.value  # type: ignore[no-any-return]
@@ -108,7 +111,7 @@ class RelayTests(SynchronousTestCase):
     def test_relayed_to_the_devices_child(self) -> None:
         self.h.node_h.load("a")
         r = request({"model": "a", **CHAT})
-        self.successResultOf(self.relay.serve(r, "chat/completions", "/v1/chat/completions"))
+        self.successResultOf(self.relay.serve(r, CHAT_ROUTE))
         self.assertEqual(json.loads(b"".join(r.written)), {"object": "chat.completion", "model": "a"})
         attempt = self.h.agent.attempts[-1]
         self.assertEqual((attempt.method, attempt.url), (b"POST", b"http://127.0.0.1:20000/v1/chat/completions"))

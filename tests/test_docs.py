@@ -175,6 +175,7 @@ class WorkedExampleTests(SynchronousTestCase):
             "dispatcher_client_cert_file",
             "dispatcher_client_key_file",
             "models_dir",
+            "default_model",
         ]
         for key in accepting:
             validate({key: None}, check_files=False, environ={})

@@ -273,20 +273,19 @@ class RelayTests(ProxyTestCase):
             self.assertIsNone(headers.getRawHeaders(name), name)
         self.assertIsNone(headers.getRawHeaders(b"x-accel-buffering"))
 
-    def test_upstream_4xx_passes_through_in_openai_shape(self) -> None:
+    def test_upstream_4xx_passes_through_as_it_comes(self) -> None:
         d = self.forward()
         body = b'{"error":{"code":400,"message":"bad messages","type":"invalid_request_error"}}'
         response = self.agent.last.respond(FakeResponse(400, b"Bad Request", headers={
             b"content-type": [b"application/json"], b"content-length": [b"%d" % len(body)]}))
         response.send(body[:20])
-        self.assertEqual(self.request.written, [], "an error answer is held to its end")
+        self.assertEqual(self.request.written, [body[:20]], "an error answer is relayed as it comes")
         response.send(body[20:])
         response.finish()
         self.assertEqual(self.successResultOf(d), COMPLETE)
         self.assertEqual(self.request.responseCode, 400)
-        self.assertEqual(json.loads(self.request.body), {"error": {
-            "code": "invalid_request", "message": "bad messages", "type": "invalid_request_error"}})
-        self.assertIsNone(self.request.responseHeaders.getRawHeaders(b"content-length"), "its length changed")
+        self.assertEqual(self.request.body, body)
+        self.assertEqual(self.request.responseHeaders.getRawHeaders(b"content-length"), [b"%d" % len(body)])
 
     def test_event_stream_headers(self) -> None:
         d = self.forward(streaming=True)
@@ -731,13 +730,13 @@ class IdleTimeoutTests(ProxyTestCase):
 
 
 class ChildErrorTests(ProxyTestCase):
-    """A child's error answer reaches the client with its status, in
-    OpenAI's shape (``code`` a string; llama-server sends a number)."""
+    """A child's error answer reaches the client unchanged: its status, and
+    its body byte for byte (``type`` and ``code`` as llama-server sent them),
+    whether it came whole with its head or in reads."""
 
-    def error(self, status: int, body: bytes, parts: int = 1, answered: Optional[int] = None) -> bytes:
+    def error(self, status: int, body: bytes, parts: int = 1) -> bytes:
         """The client's body for the child's error answer ``body`` of
-        ``status`` in ``parts`` reads; the client's status is ``answered``
-        (by default the child's)."""
+        ``status`` in ``parts`` reads; the client's status is the child's."""
         d = self.forward()
         response = self.agent.last.respond(FakeResponse(status, b"Error"))
         step = max(1, len(body) // parts)
@@ -745,57 +744,32 @@ class ChildErrorTests(ProxyTestCase):
             response.send(body[i:i + step])
         response.finish()
         self.assertEqual(self.successResultOf(d), COMPLETE)
-        self.assertEqual(self.request.responseCode, status if answered is None else answered)
+        self.assertEqual(self.request.responseCode, status)
         return self.request.body
 
-    def test_llama_servers_501_for_embeddings(self) -> None:
-        body = (b'{"error":{"code":501,"message":"This server does not support embeddings. Start it with '
-                b'`--embeddings`","type":"not_supported_error"}}')
-        error = json.loads(self.error(501, body, parts=3))["error"]
-        self.assertEqual((error["code"], error["type"]), ("not_supported", "not_supported_error"))
-        self.assertIn("--embeddings", error["message"])
+    def test_llama_servers_errors_pass_unchanged(self) -> None:
+        bodies = (
+            (501, b'{"error":{"code":501,"message":"This server does not support embeddings. Start it with '
+                  b'`--embeddings`","type":"not_supported_error"}}'),
+            (400, b'{"error":{"code":400,"message":"the request exceeds the available context size",'
+                  b'"type":"exceed_context_size_error","n_prompt_tokens":600,"n_ctx":512}}'),
+            (500, b'{"error":{"code":500,"message":"Failed to parse messages: [json.exception.type_error.302] '
+                  b'type must be string, but is object","type":"server_error"}}'),
+            (503, b'{"error":{"code":503}}'),
+        )
+        for status, body in bodies:
+            for parts in (1, 3):
+                self.request = DownstreamRequest()
+                self.assertEqual(self.error(status, body, parts), body, (status, parts))
 
-    def test_other_fields_stay(self) -> None:
-        body = (b'{"error":{"code":400,"message":"the request exceeds the available context size",'
-                b'"type":"exceed_context_size_error","n_prompt_tokens":600,"n_ctx":512}}')
-        error = json.loads(self.error(400, body))["error"]
-        self.assertEqual((error["code"], error["n_ctx"], error["n_prompt_tokens"]), ("exceed_context_size", 512, 600))
-
-    def test_missing_type_and_message_are_filled_in(self) -> None:
-        self.assertEqual(json.loads(self.error(503, b'{"error":{"code":503}}'))["error"],
-                         {"code": "server", "type": "server_error", "message": "llama-server answered 503"})
-
-    def test_what_is_already_in_shape_or_not_an_error_object_is_relayed_as_it_came(self) -> None:
+    def test_what_is_not_an_error_object_is_relayed_as_it_came(self) -> None:
         for body in (b'{"error": {"code": null, "message": "m", "type": "t"}}',
-                     b'{"error": {"code": "x", "message": "m", "type": "t"}}',
                      b"not json", b'{"detail": "no"}', b"[1]", b'{"error": "text"}', b""):
             self.request = DownstreamRequest()
             self.assertEqual(self.error(404, body), body)
 
-    def test_llama_servers_500_for_a_message_it_cannot_read_is_a_400(self) -> None:
-        # llama-server's chat parser answers a message whose role (or name,
-        # or text part) is not a string with 500; the request is at fault.
-        messages = (b'{"error":{"code":500,"message":"Failed to parse messages: [json.exception.type_error.302] '
-                    b'type must be string, but is object","type":"server_error"}}')
-        tools = (b'{"error":{"code":500,"message":"Failed to parse tools: Expected \'tools\' to be an array, '
-                 b'got \\"x\\"; tools = \\"x\\"","type":"server_error"}}')
-        for body, parts in ((messages, 1), (messages, 3), (tools, 1)):  # whole with its head, or held by the relay
-            self.request = DownstreamRequest()
-            error = json.loads(self.error(500, body, parts, answered=400))["error"]
-            self.assertEqual((error["code"], error["type"]), ("invalid_request", "invalid_request_error"))
-            self.assertTrue(error["message"].startswith(("Failed to parse messages: ", "Failed to parse tools: ")),
-                            error)
-
-    def test_other_500s_stay_500s(self) -> None:
-        for body in (b'{"error":{"code":500,"message":"Failed to load model","type":"server_error"}}',
-                     b'{"error":{"code":400,"message":"Failed to parse messages: x","type":"t"}}'):
-            self.request = DownstreamRequest()
-            status = json.loads(body)["error"]["code"]
-            self.assertEqual(json.loads(self.error(status, body))["error"]["message"],
-                             json.loads(body)["error"]["message"])
-
     def test_a_long_error_body_is_relayed_as_it_came(self) -> None:
-        body = b'{"error":{"code":400,"message":"' + b"x" * (proxy_module.MAX_ERROR_BODY + 10) + b'"}}'
+        body = b'{"error":{"code":400,"message":"' + b"x" * 70000 + b'"}}'
         self.assertEqual(self.error(400, body, parts=4), body)
 
     def test_a_cut_error_body_is_relayed_as_it_came(self) -> None:
@@ -811,6 +785,63 @@ class ChildErrorTests(ProxyTestCase):
         response = self.agent.last.respond(FakeResponse(200))
         response.send(b'{"error":{"code":1')
         self.assertEqual(self.request.body, b'{"error":{"code":1')
+
+
+#: The ends of an Anthropic Messages stream and of a Responses stream, as
+#: llama-server writes them (measured on the build install-llama-server.sh installs).
+ANTHROPIC_END = (b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"max_tokens"},'
+                 b'"usage":{"output_tokens":4}}\n\nevent: message_stop\ndata: {"type":"message_stop"}\n\n')
+RESPONSES_END = (b'event: response.output_item.done\ndata: {"type":"response.output_item.done"}\n\n'
+                 b'event: response.completed\ndata: {"type":"response.completed","response":{"status":"completed",'
+                 b'"output":[{"text":"event: response.completed\\n"}]},"timings":{"cache_n":21,"prompt_n":1}}\n\n')
+
+
+class OtherStreamEndTests(ProxyTestCase):
+    """Anthropic's and the Responses API's streams end without ``[DONE]``:
+    with ``message_stop`` and ``response.completed``.  A client that closes
+    right after the last event had its whole answer (COMPLETE, a 200);
+    one that closes before it is gone (499), however the reads split it."""
+
+    def forward_shaped(self, endpoint: str) -> Deferred:
+        shape = proxy_module.RequestShape(stream_ends=proxy_module.STREAM_ENDS[endpoint],
+                                          api="anthropic" if endpoint == "messages" else "responses")
+        return self.proxy.forward(self.request, BASE, f"/v1/{endpoint}", b'{"model": "a"}', True, shape=shape)
+
+    def test_the_last_event_ends_the_answer_however_the_reads_split_it(self) -> None:
+        for endpoint, end in (("messages", ANTHROPIC_END), ("responses", RESPONSES_END)):
+            wire = b'event: start\ndata: {"type":"start"}\n\n' + end
+            for cut in range(1, len(wire)):
+                self.request = DownstreamRequest()
+                d = self.forward_shaped(endpoint)
+                response = self.agent.last.respond(self.event_stream())
+                response.send(wire[:cut])
+                response.send(wire[cut:])
+                self.request.client_gone()
+                d.cancel()
+                self.assertEqual(self.successResultOf(d), COMPLETE, (endpoint, cut))
+
+    def test_a_close_before_the_last_event_is_over_is_client_gone(self) -> None:
+        for endpoint, end in (("messages", ANTHROPIC_END), ("responses", RESPONSES_END)):
+            self.request = DownstreamRequest()
+            d = self.forward_shaped(endpoint)
+            response = self.agent.last.respond(self.event_stream())
+            response.send(b'event: x\ndata: {"text":"event: message_stop\\n"}\n\n')  # a token's text
+            response.send(end[:-1])  # the last event without its blank line
+            self.request.client_gone()
+            d.cancel()
+            self.assertClientGone(d)
+
+    def test_a_cut_stream_ends_with_the_apis_error_event(self) -> None:
+        for endpoint, kind in (("messages", b'"type": "error", "error": {"type": "api_error"'),
+                               ("responses", b'"type": "error", "error": {')):
+            self.request = DownstreamRequest()
+            d = self.forward_shaped(endpoint)
+            response = self.agent.last.respond(self.event_stream())
+            response.send(b'event: start\ndata: {"type":"start"}\n\n')
+            response.cut()
+            self.assertEqual(self.successResultOf(d), proxy_module.STREAM_ERROR)
+            self.assertIn(b"event: error\ndata: {" + kind, self.request.body)
+            self.assertNotIn(b"[DONE]", self.request.body)
 
 
 class AnsweredTests(ProxyTestCase):

@@ -34,8 +34,8 @@ class Part:
         self.calls.append(("item", name))
         return name.encode()
 
-    def relay(self, request: Any, endpoint: str, path: str) -> "defer.Deferred[Optional[bytes]]":
-        self.calls.append(("relay", endpoint, path))
+    def relay(self, request: Any, route: Route) -> "defer.Deferred[Optional[bytes]]":
+        self.calls.append(("relay", route.relayed, route.path))
         if request is None:
             return defer.fail(ValueError("relay failed"))
         return defer.succeed(b"relayed")
@@ -119,7 +119,7 @@ class FastDispatchTests(SynchronousTestCase):
     def test_an_answer_at_once_comes_in_a_fired_deferred(self) -> None:
         self.assertEqual(self.result(self.routes[(b"GET", b"/ping")](object())), b"pong")  # type: ignore[arg-type]
 
-    def test_a_relayed_route_gets_its_endpoint_and_path(self) -> None:
+    def test_a_relayed_route_gets_its_route(self) -> None:
         self.assertEqual(self.result(self.routes[(b"POST", b"/v1/relay")](object())), b"relayed")  # type: ignore[arg-type]
         self.assertEqual(self.server.part.calls, [("relay", "relay", "/v1/relay")])
 
