@@ -46,7 +46,8 @@ setup(
             "hypothesis>=6.100.3",
             "gguf>=0.10",  # writes the test GGUFs; checks rolemesh.estimate.GGML_BLOCK_SIZES
             "numpy>=1.24",
-            "openai>=1.30",
+            "openai>=1.66",  # client.responses (the Responses API)
+            "anthropic>=0.40",  # the Messages API's own SDK (messages.create / stream / count_tokens)
             "jsonschema>=4.17",
             "kubernetes-validate>=1.30",
         ],
