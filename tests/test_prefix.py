@@ -70,6 +70,32 @@ class HashTests(SynchronousTestCase):
         self.assertTrue(all(isinstance(h, int) for h in hashes))
 
 
+class OtherApiHashTests(SynchronousTestCase):
+    """Anthropic's ``system`` + ``messages`` and the Responses API's
+    ``instructions`` + ``input``: a later turn shares the earlier turn's
+    hashes; the system prompt and the tools are part of the prefix."""
+
+    TOOLS = [{"name": "read_file", "input_schema": {"type": "object"}}]
+
+    def test_an_anthropic_conversation_shares_its_prefix_and_the_system_prompt_counts(self) -> None:
+        first = {"system": "You are terse.", "tools": self.TOOLS, "messages": [{"role": "user", "content": "hi"}]}
+        later = dict(first, messages=first["messages"] + [{"role": "assistant", "content": "yo"},
+                                                           {"role": "user", "content": "more"}])
+        a, b = prefix_hashes(first), prefix_hashes(later)
+        self.assertEqual(len(a), 2)  # the head (system + tools), then the one message
+        self.assertEqual(b[:2], a)
+        self.assertNotEqual(prefix_hashes(dict(first, system="You are verbose."))[0], a[0])
+        self.assertNotEqual(prefix_hashes(dict(first, tools=[]))[0], a[0])
+        block_system = dict(first, system=[{"type": "text", "text": "You are terse."}])
+        self.assertEqual(len(prefix_hashes(block_system)), 2)
+
+    def test_a_responses_conversation_shares_its_prefix(self) -> None:
+        first = {"instructions": "Be brief.", "input": [{"role": "user", "content": "hi"}]}
+        later = dict(first, input=first["input"] + [{"type": "function_call_output", "output": "42"}])
+        self.assertEqual(prefix_hashes(later)[:2], prefix_hashes(first))
+        self.assertEqual(len(prefix_hashes({"input": "just text"})), 1)
+
+
 class MemoryTests(SynchronousTestCase):
     def test_the_longest_remembered_prefix_wins(self):
         m = PrefixMemory(10)
