@@ -157,6 +157,21 @@ class Admission(UsesReactor[IReactorTime]):
         assert endpoint is not None  # ready() said so, a moment ago
         return Pin(lane, endpoint, self._scheduler.unpin)
 
+    def pin_child(self, device: str, pid: int, generation: int) -> Optional[Pin]:
+        """Pin ``device``'s child if it is still the one with ``pid`` and
+        ``generation`` and ready (a follow-up to state that child holds);
+        None when it has stopped or another child took its place."""
+        supervisor = self._supervisors.get(device)
+        model = supervisor.model if supervisor is not None else None
+        if model is None or self._draining():
+            return None
+        endpoint = supervisor.serving(model)  # type: ignore[union-attr]  # not None: it has a model
+        if endpoint is None or (endpoint.pid, endpoint.generation) != (pid, generation):
+            return None
+        if self._scheduler.pin(model.model_id, [device], ready=lambda _: True) is None:
+            return None
+        return Pin(device, endpoint, self._scheduler.unpin)
+
     def unload(self, device: str) -> "Deferred[None]":
         """Stop ``device``'s child once the requests ahead of this one are
         done (queued like a switch; 429 when the device's queue is full)."""

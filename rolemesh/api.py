@@ -22,6 +22,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from rolemesh import errors
 from rolemesh.api_answers import ErrorAnswers, Utf8Guard
+from rolemesh.api_held import HeldRoutes
 from rolemesh.api_keys import ApiKeys
 from rolemesh.api_node import NodeRoutes
 from rolemesh.api_relay import Relay
@@ -96,6 +97,12 @@ ROUTES: Tuple[Route, ...] = (
     *_relayed("tokenize", "/tokenize", use=TOKENS),
     *_relayed("detokenize", "/detokenize", use=TOKENS),
     *_relayed("apply-template", "/apply-template", use=TOKENS),
+    # Follow-ups to state one child holds: a live completion's control, resumable streams.
+    Route("POST", "/v1/chat/completions/control", "held.control", relayed="chat/completions/control", use=TOKENS,
+          fast=False),
+    Route("GET", "/v1/stream", "held.stream", relayed="stream", use=TOKENS, fast=False),
+    Route("DELETE", "/v1/stream", "held.stream", relayed="stream", use=TOKENS, fast=False),
+    Route("POST", "/v1/streams/lookup", "held.lookup", relayed="streams/lookup", use=TOKENS, fast=False),
     # Everything else a child serves (its web UI, /slots, /props, /metrics), by model.
     *(Route(method, path, "upstream.serve", relayed="upstream", use=PASSTHROUGH)
       for path in ("/upstream/<model>/", "/upstream/<model>/<path:rest>") for method in UPSTREAM_METHODS),
@@ -140,6 +147,7 @@ class NodeAPI:
         self.answers = ErrorAnswers(self.keys, OPEN_ROUTES)
         self.relay = Relay(config, node, proxy, self.keys, observers)
         self.upstream = Upstream(self.relay, self.keys)
+        self.held = HeldRoutes(self.relay)
         self.node_routes = NodeRoutes(config, node, self.keys, registration=registration,
                                       render_metrics=render_metrics, readiness=readiness, reload=reload)
         #: Told ("request", **fields) of each finished proxied request.

@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Any, Callable, Generator, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
+import attr
 from twisted.internet import defer
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger, LogLevel
@@ -26,6 +27,7 @@ from rolemesh.api_keys import ApiKeys
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.events import Events
 from rolemesh.fairqueue import Share
+from rolemesh.held_state import COMPLETION, CONVERSATION, CONVERSATION_ID, HeldState, Holder, completion_id
 from rolemesh.interfaces import ProxiedRequest, RouteRequest
 from rolemesh.logs import emit, one_write
 from rolemesh.node import Lease, Node, Pin
@@ -154,7 +156,7 @@ class _Exchange:
     connection, which stops the generation)."""
 
     __slots__ = ("relay", "request", "path", "body", "streaming", "record", "result", "_lease", "_forward",
-                 "_waiting", "shape", "counts")
+                 "_waiting", "shape", "counts", "holds")
 
     def __init__(self, relay: "Relay", request: ProxiedRequest, path: str, body: bytes, streaming: bool,
                  record: _Record, shape: Optional[RequestShape] = None, counts: bool = True) -> None:
@@ -173,6 +175,8 @@ class _Exchange:
         #: The relay under way, or the Deferred waited for (at most one of the two).
         self._forward: Optional[Forward] = None
         self._waiting: "Optional[defer.Deferred[Any]]" = None
+        #: The conversation id whose stream state its child will hold, if any.
+        self.holds: Optional[str] = None
 
     def wait(self, acquired: "defer.Deferred[Lease]") -> None:
         """Relay once ``acquired`` fires (queued, or waiting for a load)."""
@@ -184,6 +188,8 @@ class _Exchange:
         self._waiting = None
         self._lease = lease
         self.record.device = lease.device
+        if self.holds is not None:
+            self.relay.held.remember(CONVERSATION, self.holds, holder(lease))
         config = self.relay.config
         try:
             forward = self.relay.proxy.start(
@@ -249,6 +255,12 @@ _SHAPES = {
 }
 
 
+def holder(lease: Union[Lease, Pin]) -> Holder:
+    """The child a lease (or a pin) is on, as :class:`Holder` names it."""
+    endpoint = lease.endpoint
+    return Holder(lease.device, endpoint.model_id, endpoint.pid, endpoint.generation)
+
+
 class Relay:
     """The routes relayed to llama-server (``relayed=`` in rolemesh/api.py's
     table): :meth:`serve` checks, places and relays one request."""
@@ -260,12 +272,24 @@ class Relay:
         self._keys = keys
         #: The request log: each request's line and ``request`` event.
         self.log = RequestLog(lambda: node.reactor, observers)
+        #: Which child holds each live completion's and each resumable stream's state.
+        self.held = HeldState()
+        self._http: Any = None
         self.use_config(config)
 
     def use_config(self, config: NodeConfig) -> None:
         """Relay with ``config``'s limits and tenants from the next request on."""
         self.config = config
         self.tenants = Tenants(config)
+
+    @property
+    def http(self) -> Any:
+        """A treq client to the children, for the node's own small asks (a stream lookup)."""
+        if self._http is None:
+            from rolemesh.control_client import quiet_treq
+
+            self._http = quiet_treq(self.node.reactor, persistent=False, connect_timeout=2.0)
+        return self._http
 
     def serve(self, request: ProxiedRequest, route: Route) -> "defer.Deferred[None]":
         """Check, place and relay one request of ``route`` (see :class:`_Exchange` for its steps)."""
@@ -288,11 +312,33 @@ class Relay:
             if model.lora_adapters and payload is not None:  # the agent sets the adapters' scales
                 body = with_lora(payload, model, served_as)
             prompt = payload if endpoint in PREFIXED else None  # prefix affinity: not for embeddings ...
+            streaming = payload is not None and payload.get("stream") is True
+            conversation = request.getHeader(b"x-conversation-id") if streaming else None
+            if conversation is not None:  # a resumable stream: its child keeps it by this id
+                if not CONVERSATION_ID.match(conversation):
+                    raise errors.ApiError(400, "X-Conversation-Id must be printable ASCII, at most 256 bytes",
+                                          "invalid_request_error", "invalid_conversation_id")
+                shape = attr.evolve(shape or RequestShape(), headers=Headers({
+                    b"content-type": [b"application/json"], b"accept": [b"*/*"],
+                    b"x-conversation-id": [conversation]}))
         except Exception:
             return defer.fail().addBoth(self._proxied, request, record)
-        streaming = payload is not None and payload.get("stream") is True
         exchange = _Exchange(self, request, route.path, body, streaming, record, shape, endpoint in PREFIXED)
+        if conversation is not None:
+            exchange.holds = conversation.decode("ascii")
+        if streaming and payload is not None and payload.get("reasoning_control") is True:
+            # A live completion the client may steer by its id: which child runs it.
+            exchange.shape = attr.evolve(shape or RequestShape(), first_read=functools.partial(self._armed, exchange))
         return self.place(exchange, model, share, prompt, route.use)
+
+    def _armed(self, exchange: "_Exchange", first_read: bytes) -> None:
+        """A stream armed with reasoning_control began: remember its id's child."""
+        try:
+            key, lease = completion_id(first_read), exchange._lease
+            if key is not None and lease is not None:
+                self.held.remember(COMPLETION, key, holder(lease))
+        except Exception:  # bookkeeping must not break the stream
+            log.failure("remembering a completion's child failed")
 
     def place(self, exchange: "_Exchange", model: ModelConfig, share: Share,
               prompt: Optional[Mapping[str, Any]], use: str, load: bool = True) -> "defer.Deferred[None]":

@@ -246,6 +246,10 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         """A ready child for a use that takes no slot, or None (see :meth:`Admission.pin_now`)."""
         return self.admission.pin_now(model)
 
+    def pin_child(self, device: str, pid: int, generation: int) -> Optional[Pin]:
+        """Pin that very child of ``device`` (see :meth:`Admission.pin_child`)."""
+        return self.admission.pin_child(device, pid, generation)
+
     def unload(self, device: str) -> "Deferred[None]":
         """Stop ``device``'s child once the requests ahead are done (see :meth:`Admission.unload`)."""
         return self.admission.unload(device)

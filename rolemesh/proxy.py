@@ -115,6 +115,8 @@ class RequestShape:
     stream_ends: Tuple[bytes, ...] = ()
     #: Whose stream it is (``openai``, ``anthropic``, ``responses``): how a cut one is ended.
     api: str = "openai"
+    #: Told a stream's first read (where its completion id is), once.
+    first_read: Optional[Callable[[bytes], None]] = None
 
 
 class UpstreamUnreachable(Exception):
@@ -197,8 +199,10 @@ class _Relay(Protocol):
 
     def __init__(self, request: ProxiedRequest, ended: Callable[[bool], None], on_data: Callable[[], None],
                  watch_done: bool = False, timings: Optional[TimingsCallback] = None,
-                 ends: Sequence[bytes] = (), usage_first: bool = False) -> None:
+                 ends: Sequence[bytes] = (), usage_first: bool = False,
+                 first_read: Optional[Callable[[bytes], None]] = None) -> None:
         self._request = request
+        self._first_read = first_read
         self._ended = ended
         self._on_data = on_data
         self.answered = False
@@ -222,6 +226,9 @@ class _Relay(Protocol):
     def dataReceived(self, data: bytes) -> None:
         self._on_data()
         self._request.write(data)
+        if self._first_read is not None:
+            first_read, self._first_read = self._first_read, None
+            first_read(data)
         if self._usage_first:
             self._usage_first = False
             timings, self._timings = self._timings, None
@@ -462,7 +469,8 @@ class Forward:
             return
         self.relay = _Relay(request, self._body_ended, self._on_data, watch_done=self.event_stream,
                             timings=timings, ends=self.stream_ends,
-                            usage_first=self.shape is not None and self.shape.api == "anthropic")
+                            usage_first=self.shape is not None and self.shape.api == "anthropic",
+                            first_read=self.shape.first_read if self.shape is not None else None)
         response.deliverBody(self.relay)
         if self.idle_timeout is not None and not self.body_ended:
             # Not for an answer that came whole with its head (most non-streamed ones).

@@ -52,7 +52,8 @@ class RouteTableTests(SynchronousTestCase):
         self.assertIn(("GET", "/upstream/<model>/<path:rest>"), declared)
 
     def test_token_utilities_take_no_slot_and_the_rest_generate(self) -> None:
-        uses = {r.path: r.use for r in ROUTES if r.relayed is not None and not r.path.startswith("/upstream")}
+        uses = {r.path: r.use for r in ROUTES if r.relayed is not None and not r.path.startswith("/upstream")
+                and not r.handler.startswith("held.")}
         tokens = {"/v1/messages/count_tokens", "/v1/responses/input_tokens", "/v1/chat/completions/input_tokens",
                   "/tokenize", "/detokenize", "/apply-template"}
         self.assertEqual({p for p, use in uses.items() if use == TOKENS}, tokens)
@@ -212,7 +213,8 @@ class WholeApiTests(ApiTestCase):
     def test_each_route_reaches_the_same_path_on_the_models_child(self) -> None:
         self.loaded("a")
         for route in ROUTES:
-            if route.relayed is None or route.path.startswith("/upstream") or route.path.endswith("transcriptions"):
+            if (route.relayed is None or route.path.startswith("/upstream") or route.path.endswith("transcriptions")
+                    or route.handler.startswith("held.")):  # follow-ups: tests/test_held_state.py
                 continue
             answer = self.h.call("POST", route.path, {"model": "a", **CHAT})
             self.assertEqual(answer.code, 200, (route.path, answer.body))
