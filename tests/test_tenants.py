@@ -221,3 +221,51 @@ class HeartbeatTests(SynchronousTestCase):
         self.assertEqual(body["cache_hit_rate"], {"a": 0.75, "b": None})
         self.assertNotIn("cache_hit_rate", heartbeat_payload("n", 1, 0.0, []))
 
+
+
+#: A first turn and a second turn, as the Anthropic and the Responses APIs shape them (their prefixes:
+#: Anthropic ``system`` + ``messages``, Responses ``instructions`` + ``input``).
+OTHER_APIS = {
+    "/v1/messages": lambda n, turn: {"model": "a", "max_tokens": 4, "system": f"You help with project {n}.",
+                                     "messages": [{"role": "user", "content": "hello"}] + (
+                                         [{"role": "assistant", "content": "hi"},
+                                          {"role": "user", "content": "more"}] if turn else [])},
+    "/v1/responses": lambda n, turn: {"model": "a", "instructions": f"You help with project {n}.",
+                                      "input": [{"role": "user", "content": "hello"}] + (
+                                          [{"role": "assistant", "content": "hi"},
+                                           {"role": "user", "content": "more"}] if turn else [])},
+}
+
+
+class OtherApisSchedulingTests(SynchronousTestCase):
+    """Bands, caps and prefix affinity hold on /v1/messages and /v1/responses as on chat."""
+
+    def test_the_priority_header_orders_the_queue(self) -> None:
+        for path, body in OTHER_APIS.items():
+            h = ApiHarness(auto=False, api_keys=KEYS, max_pending_requests_per_device=8)
+            h.keys = ["k-web"]
+            h.node_h.load("a")
+            h.send("POST", path, body(0, 0))  # runs
+            h.send("POST", path, body(1, 0), headers={"X-RoleMesh-Priority": "batch"})
+            h.send("POST", path, body(2, 0), key="k-disp", headers={"X-RoleMesh-Tenant": "alice"})
+            h.treq.flush()
+            self.assertEqual([(t.share.tenant, t.share.band) for t in h.node_h.book().queue],
+                             [("alice", INTERACTIVE), ("web", BATCH)], path)
+
+    def test_a_second_turn_goes_where_the_first_went_though_that_device_is_busier(self) -> None:
+        for path, body in OTHER_APIS.items():
+            h = ApiHarness(devices=2, api_keys=KEYS, models=[{"model_id": "a", "server_args": {"parallel": 4}}],
+                           max_pending_requests_per_device=8)
+            h.keys = ["k-web"]
+            h.node_h.load("a", device="gpu:0")
+            h.node_h.load("a", device="gpu:1")
+            first = h.call("POST", path, body(7, 0))
+            self.assertEqual(first.code, 200, first.body)
+            child = h.agent.attempts[-1].url  # turn 1's child
+            device = next(d for d in ("gpu:0", "gpu:1") if h.node.supervisors[d].endpoint.base_url in child.decode())
+            busy = self.successResultOf(h.node.acquire(h.node_h.model("a"), device=device))  # now the busier one
+            second = h.call("POST", path, body(7, 1))
+            self.assertEqual(second.code, 200, second.body)
+            self.assertEqual(h.agent.attempts[-1].url, child, f"{path}: turn 2 on turn 1's (busier) device")
+            self.assertEqual(h.node.inventory()["prefix_memory"]["hits"], 1, path)
+            busy.release()
