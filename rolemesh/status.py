@@ -192,13 +192,29 @@ def render(answer: Dict[str, Any]) -> str:
 # The command
 
 
+#: What ``status`` reads of a config: where the node listens and its keys.
+#: Nothing else (its models' paths may be placeholders an override fills in
+#: on the host, or files only the agent's user can read).
+ADDRESS_KEYS = ("listen", "listen_host", "listen_port", "api_key", "api_key_env", "api_key_file", "api_keys",
+                "tls_cert_file", "tls_key_file", "tls_client_ca_file")
+
+
+def address_config(path: str, override_path: Optional[str] = None) -> Any:
+    """The config at ``path`` (with ``override_path`` merged over it), reduced to :data:`ADDRESS_KEYS`."""
+    from rolemesh.config import check_environment, deep_merge, load_yaml, parse
+
+    raw = load_yaml(path)
+    if override_path:
+        raw = deep_merge(raw, load_yaml(override_path))
+    address = {name: raw[name] for name in ADDRESS_KEYS if name in raw}
+    return check_environment(parse(address), address)
+
+
 def target(args: argparse.Namespace) -> Tuple[str, Optional[str]]:
     """(URL, key) from the flags, the config filling in what they leave out."""
     url, key = args.url, args.api_key
     if args.config and (url is None or key is None):
-        from rolemesh.config import load_config
-
-        config_url, config_key = address_from_config(load_config(args.config, args.config_override))
+        config_url, config_key = address_from_config(address_config(args.config, args.config_override))
         url, key = url or config_url, key if key is not None else config_key
     return (url or "http://127.0.0.1:8090").rstrip("/"), key
 

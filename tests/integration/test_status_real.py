@@ -51,6 +51,17 @@ class StatusCommandTests(SynchronousTestCase):
         self.assertEqual(models["a"][1], "cpu:0")
         self.assertEqual(models["b"][1:3], ["-", "-"])
 
+        # The demo config as shipped (its model paths are placeholders), with only where this agent
+        # listens and its key laid over it: status reads those and nothing else.
+        override = os.path.join(directory, "where.yaml")
+        with open(override, "w", encoding="utf-8") as f:
+            json.dump({"listen_port": agent.port, "api_keys": [KEY]}, f)
+        demo = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "demo.yaml")
+        done = status("--config", demo, "--config-override", override)
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        self.assertEqual(done.stdout.splitlines()[0], f"node it-node at http://127.0.0.1:{agent.port}: backend cpu")
+        self.assertEqual(done.stdout.splitlines()[3].split()[:3], ["cpu:0", "cpu", "a"])
+
         as_json = status("--url", agent.url, "--api-key", KEY, "--json")
         self.assertEqual(as_json.returncode, 0, as_json.stderr)
         data = json.loads(as_json.stdout)
