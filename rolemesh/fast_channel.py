@@ -422,6 +422,9 @@ class FastChannel(Protocol):
         self._head_size = 0
         self._hosts = 0
         self._expect: Optional[bytes] = None
+        #: The Transfer-Encoding lines' values, joined; whether a Host has bytes beyond ASCII.
+        self._codings: Optional[bytes] = None
+        self._bad_host = False
         self._parts: List[bytes] = []
         self._size = 0
         #: Parsed requests waiting for their turn, and their bytes.
@@ -545,6 +548,8 @@ class FastChannel(Protocol):
         self._head_size = 0
         self._hosts = 0
         self._expect = None
+        self._codings = None
+        self._bad_host = False
         self._parts = []
         self._size = 0
 
@@ -566,10 +571,14 @@ class FastChannel(Protocol):
         if key in _NOTED:
             if key == b"host":
                 self._hosts += 1
+                if not value.isascii():
+                    self._bad_host = True
             elif key == b"expect":
                 self._expect = value
             else:
                 incoming.framed = True
+                if key == b"transfer-encoding":  # every line of it, however many
+                    self._codings = value if self._codings is None else self._codings + b"," + value
         incoming.headers[key] = value
 
     def on_headers_complete(self) -> None:
@@ -585,6 +594,14 @@ class FastChannel(Protocol):
         error: Optional[ApiError] = None
         if self._hosts != 1 or self._expect is not None or incoming.version != "1.1":  # else nothing to check
             error = request_head.head_error(incoming.version, self._hosts, self._expect)
+            if error is not None:
+                raise _Refused(error)
+        if self._bad_host:
+            error = request_head.host_error(headers[b"host"])
+            if error is not None:
+                raise _Refused(error)
+        if self._codings is not None:
+            error = request_head.coding_error(self._codings)
             if error is not None:
                 raise _Refused(error)
         chunked = b"transfer-encoding" in headers

@@ -65,6 +65,32 @@ def head_error(version: str, hosts: int, expect: Optional[bytes]) -> Optional[Ap
     return None
 
 
+def coding_error(codings: bytes) -> Optional[ApiError]:
+    """501 for a ``Transfer-Encoding`` other than ``chunked`` alone (RFC 9112
+    §6.1: a coding the server does not understand), 400 for one that does
+    not end in ``chunked`` (§6.3), or None.  ``codings``:
+    every ``Transfer-Encoding`` line's value, joined by commas."""
+    listed = [c.strip().lower() for c in codings.split(b",") if c.strip()]
+    if listed == [b"chunked"]:
+        return None
+    if not listed or listed[-1] != b"chunked":  # §6.3: where the body ends cannot be known
+        return malformed("Transfer-Encoding must end in chunked")
+    unknown = b", ".join(c for c in listed if c != b"chunked")[:100].decode("ascii", "replace")
+    return ApiError(501, f"transfer coding {unknown!r} is not supported (only chunked is)",
+                    "invalid_request_error", "not_implemented")
+
+
+def host_error(host: bytes) -> Optional[ApiError]:
+    """400 for a ``Host`` that is not text (bytes that are no UTF-8), as twisted.web refuses it, or None."""
+    if host.isascii():
+        return None
+    try:
+        host.decode("utf-8")
+    except UnicodeDecodeError:
+        return malformed("the Host header is not UTF-8")
+    return None
+
+
 #: Heads the parser must refuse (httptools before 0.6.3 bundles an llhttp
 #: that takes some of them): checked once, when the listener is built.
 MUST_REFUSE = (
@@ -102,5 +128,6 @@ def lax_parser() -> Optional[str]:
     return None
 
 
-__all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "MUST_REFUSE", "VERSIONS", "body_too_large", "head_error",
+__all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "MUST_REFUSE", "VERSIONS", "body_too_large", "coding_error",
+           "head_error", "host_error",
            "head_too_large", "lax_parser", "malformed", "unknown_method"]

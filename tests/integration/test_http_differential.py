@@ -48,7 +48,8 @@ VALUES = [b"v", b"*/*", b"a b", b"application/json", b"\xffobs", b"x\ty", b""]
 BYTE_MUTATIONS = ["bare_lf", "lone_cr", "nul", "vt", "ff", "del"]
 HEAD_MUTATIONS = ["obs_fold", "dup_cl", "dup_cl_same", "te_identity", "te_gzip", "te_and_cl", "no_host", "two_hosts",
                   "space_in_name", "space_before_colon", "at_in_name", "many_headers", "cl_junk", "cl_plus",
-                  "bad_version", "lower_method", "unknown_expect", "chunk_size_0x", "truncate"]
+                  "bad_version", "lower_method", "unknown_expect", "chunk_size_0x", "truncate", "te_list",
+                  "host_bytes"]
 
 
 @st.composite
@@ -89,6 +90,16 @@ def requests(draw: Any) -> Tuple[bytes, Optional[str]]:
         headers = [h for h in headers if h[0] != b"Transfer-Encoding"] + [(b"Transfer-Encoding", b"identity")]
     elif mutation == "te_gzip":
         headers.append((b"Transfer-Encoding", b"gzip"))
+    elif mutation == "te_list":  # a coding besides chunked, in one line or two: 501 (RFC 9112 §6.1)
+        others = [h for h in headers if h[0] != b"Transfer-Encoding"]
+        coding = draw(st.sampled_from([b"identity", b"gzip", b"deflate", b"x-custom"]))
+        if draw(st.booleans()):
+            headers = others + [(b"Transfer-Encoding", coding + b", chunked")]
+        else:
+            headers = others + [(b"Transfer-Encoding", coding), (b"Transfer-Encoding", b"chunked")]
+    elif mutation == "host_bytes":  # a Host that is no UTF-8: 400 on both
+        headers = [(n, draw(st.sampled_from([b"\xff\xfe", b"a\xc3", b"\x80node"]))) if n == b"Host" else (n, v)
+                   for n, v in headers]
     elif mutation == "te_and_cl":
         headers.append((b"Transfer-Encoding", b"chunked") if not chunked else (b"Content-Length", b"5"))
     elif mutation == "no_host":

@@ -139,6 +139,32 @@ class ListenerBytesTests(SynchronousTestCase):
             self.assert_refused(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Transfer-Encoding: "
                                 + coding + b"\r\n\r\n" + health())
 
+    def test_a_transfer_coding_besides_chunked_is_501(self) -> None:
+        """RFC 9112 §6.1: a coding not understood is a 501 and a close, however it is listed; nothing
+        hidden in such a body reaches a child as a request of its own."""
+        hidden = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: 2\r\n\r\n{}"
+        body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(hidden), hidden)
+        for codings in (b"Transfer-Encoding: identity, chunked\r\n", b"Transfer-Encoding: gzip, chunked\r\n",
+                        b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n"):
+            self.assert_refused(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + AUTH + codings + b"\r\n"
+                                + body + health(), 501)
+        chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(CHAT), CHAT)
+        self.assertEqual(final(self.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + AUTH
+                                         + b"Transfer-Encoding: Chunked\r\n\r\n" + chunked + health(), limit=2)),
+                         [200, 200], "chunked alone is served")
+
+    def test_a_host_that_is_no_utf8_is_400(self) -> None:
+        for host in (b"\xff\xfe", b"node\xc3"):
+            self.assert_refused(b"GET /v1/models HTTP/1.1\r\nHost: " + host + b"\r\n" + AUTH + b"\r\n")
+        self.assertEqual(final(self.send(b"GET /health HTTP/1.1\r\nHost: n\xc3\xa9\r\n\r\n", limit=1)), [200])
+
+    def test_bytes_that_are_no_utf8_in_the_headers_the_node_reads_are_4xx_never_5xx(self) -> None:
+        for name in (b"Authorization", b"X-Api-Key", b"X-RoleMesh-Tenant", b"X-RoleMesh-Priority", b"X-Request-Id",
+                     b"X-Conversation-Id", b"Origin", b"Content-Type"):
+            answers = self.send(post(extra=AUTH + name + b": \xff\xfe\r\n") if name != b"Authorization" else
+                                post(extra=name + b": Bearer \xff\xfe\r\n"), limit=1)
+            self.assertTrue(final(answers) and final(answers)[0] < 500, (name, answers))
+
     def test_host_must_be_there_once(self) -> None:
         """RFC 9112 §3.2."""
         self.assert_refused(b"GET /health HTTP/1.1\r\n\r\n")
