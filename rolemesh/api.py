@@ -15,7 +15,7 @@ nothing a client sends produces a traceback.
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
-from urllib.parse import unquote_to_bytes
+from urllib.parse import unquote_to_bytes, urlsplit
 
 from twisted.web.resource import IResource
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
@@ -27,7 +27,7 @@ from rolemesh.api_keys import ApiKeys
 from rolemesh.api_node import NodeRoutes
 from rolemesh.api_relay import Relay
 from rolemesh.api_upstream import Upstream
-from rolemesh.config import NodeConfig
+from rolemesh.config import NodeConfig, is_loopback
 from rolemesh.fast_channel import FastRoute
 from rolemesh.node import Node
 from rolemesh.proxy import Proxy
@@ -47,6 +47,16 @@ from rolemesh.routes import (
 )
 
 
+def is_loopback_origin(origin: bytes) -> bool:
+    """Whether a browser's ``Origin`` is on this machine's loopback (any
+    scheme and port): what ``cors_allowed_origins: [localhost]`` allows."""
+    try:
+        host = urlsplit(origin.decode("ascii")).hostname
+    except (UnicodeDecodeError, ValueError):
+        return False
+    return host is not None and is_loopback(host)
+
+
 def _relayed(endpoint: str, *paths: str, use: str = GENERATE, body: str = JSON_BODY,
              fast: bool = True) -> Tuple[Route, ...]:
     """``POST`` routes relayed to llama-server under one endpoint name (its
@@ -64,6 +74,7 @@ UPSTREAM_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")  # GET takes HEAD t
 #: between them (so a pooled connection stays on the fast path).
 ROUTES: Tuple[Route, ...] = (
     Route("GET", "/health", "node_routes.health", fast=True, open=True),
+    Route("GET", "/v1/health", "node_routes.health", fast=True, open=True),
     Route("GET", "/ready", "node_routes.ready", fast=True, open=True),
     Route("GET", "/", "node_routes.root", open=True),
     Route("POST", "/v1/node/reload", "node_routes.reload"),
@@ -89,11 +100,13 @@ ROUTES: Tuple[Route, ...] = (
     *_relayed("embedding", "/embedding", "/embeddings"),
     *_relayed("infill", "/infill"),
     *_relayed("rerank", "/v1/rerank", "/rerank", "/v1/reranking", "/reranking"),
-    *_relayed("audio/transcriptions", "/v1/audio/transcriptions", body=FORM_BODY, fast=False),
+    *_relayed("audio/transcriptions", "/v1/audio/transcriptions", "/audio/transcriptions", body=FORM_BODY,
+              fast=False),
     # Token utilities: the model's child, no generation slot.
     *_relayed("messages/count_tokens", "/v1/messages/count_tokens", use=TOKENS),
-    *_relayed("responses/input_tokens", "/v1/responses/input_tokens", use=TOKENS),
-    *_relayed("chat/completions/input_tokens", "/v1/chat/completions/input_tokens", use=TOKENS),
+    *_relayed("responses/input_tokens", "/v1/responses/input_tokens", "/responses/input_tokens", use=TOKENS),
+    *_relayed("chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
+              "/chat/completions/input_tokens", use=TOKENS),
     *_relayed("tokenize", "/tokenize", use=TOKENS),
     *_relayed("detokenize", "/detokenize", use=TOKENS),
     *_relayed("apply-template", "/apply-template", use=TOKENS),
@@ -107,6 +120,9 @@ ROUTES: Tuple[Route, ...] = (
     *(Route(method, path, "upstream.serve", relayed="upstream", use=PASSTHROUGH)
       for path in ("/upstream/<model>/", "/upstream/<model>/<path:rest>") for method in UPSTREAM_METHODS),
     Route("GET", "/upstream/<model>", "upstream.to_slash"),
+    # What llama-server serves that reaches outside a child (its built-in tools, its web UI's
+    # proxy): 403 with the reason, here as under /upstream/<model>/.
+    *(Route(method, path, "upstream.refuse") for path in ("/tools", "/cors-proxy") for method in ("GET", "POST")),
 )
 # A CORS preflight (OPTIONS, any path) is no route: NodeRoutes.preflight answers
 # every one, without a key, in front of Klein (the request itself needs the key).
@@ -161,7 +177,9 @@ class NodeAPI:
         """Serve with ``config`` from the next request on (a reload: models,
         keys, limits)."""
         self.config = config
-        self._cors_origins = frozenset(o.encode("utf-8") for o in config.cors_allowed_origins)
+        origins = config.cors_allowed_origins
+        self._cors_origins = frozenset(o.encode("utf-8") for o in origins if o != "localhost")
+        self._cors_loopback = "localhost" in origins
         self.keys.use(config.api_keys)
         self.relay.use_config(config)
         self.node_routes.use_config(config)
@@ -171,9 +189,10 @@ class NodeAPI:
 
     def cors_origin(self, origin: bytes) -> Optional[bytes]:
         """``origin`` itself where ``cors_allowed_origins`` allows it (``*``:
-        any, reflected as llama-server does), else None."""
+        any, reflected as llama-server does; ``localhost``: any on a
+        loopback host), else None."""
         allowed = self._cors_origins
-        if b"*" in allowed or origin in allowed:
+        if b"*" in allowed or origin in allowed or self._cors_loopback and is_loopback_origin(origin):
             return origin
         return None
 

@@ -119,7 +119,7 @@ class NodeRoutes:
         ``Access-Control-*`` headers (the listener adds the origin itself)."""
         if request.responseHeaders.hasHeader(b"access-control-allow-origin"):
             request.setHeader(b"access-control-allow-credentials", b"true")
-            request.setHeader(b"access-control-allow-methods", b"GET, POST, PUT, PATCH, DELETE, OPTIONS")
+            request.setHeader(b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS")
             asked = request.getHeader(b"access-control-request-headers")
             request.setHeader(b"access-control-allow-headers", asked if asked else b"*")
             request.setHeader(b"access-control-max-age", b"86400")

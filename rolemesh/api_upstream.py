@@ -98,6 +98,14 @@ class Upstream:
         request.setHeader(b"location", b"/upstream/%s/" % model.encode("utf-8"))
         return b""
 
+    def refuse(self, request: ProxiedRequest) -> bytes:
+        """``/tools``, ``/cors-proxy`` at the top: llama-server's, refused here as under the passthrough."""
+        self._keys.authorize(request)
+        path = request.path.decode("ascii", "replace")  # type: ignore[attr-defined]  # twisted.web's
+        error = refusal(request.method, path)  # type: ignore[attr-defined]
+        assert error is not None, path
+        raise error
+
     def serve(self, request: ProxiedRequest, route: Route, model: str, rest: str = "") -> "defer.Deferred[None]":
         method = request.method  # type: ignore[attr-defined]  # a twisted.web request (Klein's)
         path = "/" + rest

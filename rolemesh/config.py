@@ -152,6 +152,17 @@ def _string(path: str, value: Any) -> str:
     return value
 
 
+def _host(path: str, value: Any) -> str:
+    """One address to listen on: llama-server's ``--host a,b`` (several) is no
+    address here, and would pass ``--check`` only to fail to listen."""
+    host = _string(path, value)
+    if "," in host or any(c.isspace() for c in host):
+        raise ConfigError(
+            f"{path}: one address (a host name or an IP), not {_show(value)}; to take IPv4 and IPv6 "
+            "at once, listen on a dual-stack socket: `listen: tcp6:<port>:interface=\\:\\:`")
+    return host
+
+
 def _string_list(path: str, value: Any) -> Tuple[str, ...]:
     if not isinstance(value, list):
         raise _fail(path, "a list of strings", value)
@@ -570,7 +581,7 @@ class NodeConfig:
     #: ``""`` only before :func:`check_environment` (which puts in the host name).
     node_id: str = key("", _string, "string", "Name of this node at the dispatcher.",
                        default_doc="the host name", nullable=True)
-    listen_host: str = key("127.0.0.1", _string, "string", "Address the API listens on.", nullable=True)
+    listen_host: str = key("127.0.0.1", _host, "string", "Address the API listens on (one).", nullable=True)
     listen_port: int = key(8090, _port, "integer 0-65535", "Port the API listens on (0 = any free port).")
     #: A Twisted server endpoint description (never ``ssl:``: that becomes
     #: ``tcp:`` plus the tls_* files); None = TCP on listen_host:listen_port.
@@ -626,7 +637,9 @@ class NodeConfig:
         ("*",), _string_list, "list of origins, or `[\"*\"]`",
         "Browser origins allowed to call the API (CORS): a preflight `OPTIONS` is answered 200 without a key, "
         "and answers to an allowed `Origin` carry `Access-Control-Allow-Origin` (the request itself still "
-        "needs the key). `[]` allows none; `[\"*\"]` allows any origin, as llama-server does.")
+        "needs the key). `[]` allows none; `[\"*\"]` allows any origin, as llama-server does; `localhost` "
+        "allows any origin on a loopback host (`localhost`, `127.0.0.1`, `[::1]`, any scheme and port), as "
+        "llama-server's `--cors-origins localhost`.")
     #: As written until :func:`check_environment` resolves it on ``$PATH``.
     llama_server_bin: Optional[str] = key(
         None, _string, "path or command name", "The llama-server executable.",

@@ -46,7 +46,8 @@ class RouteTableTests(SynchronousTestCase):
         for path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/responses/input_tokens",
                      "/v1/chat/completions/input_tokens", "/v1/rerank", "/rerank", "/v1/reranking", "/infill",
                      "/tokenize", "/detokenize", "/apply-template", "/v1/audio/transcriptions", "/completion",
-                     "/completions", "/chat/completions", "/embedding", "/embeddings", "/responses"):
+                     "/completions", "/chat/completions", "/embedding", "/embeddings", "/responses",
+                     "/responses/input_tokens", "/chat/completions/input_tokens", "/audio/transcriptions"):
             self.assertIn(("POST", path), declared)
         self.assertIn(("GET", "/models"), declared)
         self.assertIn(("GET", "/upstream/<model>/<path:rest>"), declared)
@@ -55,7 +56,8 @@ class RouteTableTests(SynchronousTestCase):
         uses = {r.path: r.use for r in ROUTES if r.relayed is not None and not r.path.startswith("/upstream")
                 and not r.handler.startswith("held.")}
         tokens = {"/v1/messages/count_tokens", "/v1/responses/input_tokens", "/v1/chat/completions/input_tokens",
-                  "/tokenize", "/detokenize", "/apply-template"}
+                  "/responses/input_tokens", "/chat/completions/input_tokens", "/tokenize", "/detokenize",
+                  "/apply-template"}
         self.assertEqual({p for p, use in uses.items() if use == TOKENS}, tokens)
         self.assertTrue(all(use == GENERATE for p, use in uses.items() if p not in tokens))
 
@@ -322,6 +324,32 @@ class WholeApiTests(ApiTestCase):
                           .header("access-control-allow-methods"))
         self.assertEqual(h.chat({"model": "a", **CHAT}, headers={"Origin": "https://ok.test"})
                          .header("access-control-allow-origin"), "https://ok.test")
+
+
+    def test_localhost_allows_every_loopback_origin_and_no_other(self) -> None:
+        h = ApiHarness(keys=[KEY], cors_allowed_origins=["localhost"])
+        for origin in ("http://localhost", "http://localhost:8080", "https://127.0.0.1:3000", "http://[::1]",
+                       "http://[::1]:3000"):
+            preflight = h.call("OPTIONS", "/v1/chat/completions", key=None,
+                               headers={"Origin": origin, "Access-Control-Request-Method": "POST"})
+            self.assertEqual(preflight.header("access-control-allow-origin"), origin)
+            self.assertEqual(preflight.header("access-control-allow-methods"), "GET, POST, DELETE, OPTIONS")
+        for origin in ("http://evil.test", "http://localhost.evil.test", "http://127.0.0.1.evil.test", "null",
+                       "localhost"):
+            preflight = h.call("OPTIONS", "/v1/models", key=None, headers={"Origin": origin})
+            self.assertIsNone(preflight.header("access-control-allow-origin"), origin)
+
+    def test_llama_servers_tools_and_cors_proxy_are_refused_with_the_reason(self) -> None:
+        for method in ("GET", "POST"):
+            for path in ("/tools", "/cors-proxy?url=http://127.0.0.1:1/"):
+                error = self.assertError(self.h.call(method, path, {}), 403, "forbidden")
+                self.assertIn("reaches outside it", error["message"])
+                self.assertError(self.h.call(method, path, {}, key=None), 401)
+        self.assertEqual(self.h.agent.attempts, [])
+
+    def test_v1_health_is_health(self) -> None:
+        answer = self.h.call("GET", "/v1/health", key=None)
+        self.assertEqual((answer.code, answer.json()), (200, self.h.call("GET", "/health", key=None).json()))
 
 
 class FastWholeApiTests(WholeApiTests):

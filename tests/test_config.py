@@ -134,6 +134,13 @@ class TopLevelTypeTests(ConfigTestCase):
 
     def test_listen_host(self) -> None:
         self.assertError({"listen_host": ["a"]}, 'listen_host: expected a non-empty string, got ["a"]')
+        # llama-server's --host takes a list; the node listens on one address.
+        for several in ("127.0.0.1,::1", "0.0.0.0 ::"):
+            message = self.error({"listen_host": several})
+            self.assertTrue(message.startswith(f'listen_host: one address (a host name or an IP), not "{several}"'),
+                            message)
+            self.assertIn("listen: tcp6:<port>:interface=\\:\\:", message)
+        self.assertEqual(self.valid({"listen_host": "::1"}).listen_host, "::1")
 
     def test_listen_port(self) -> None:
         self.assertError({"listen_port": "http"}, 'listen_port: expected a port number 0-65535, got "http"')

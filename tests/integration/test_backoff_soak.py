@@ -212,11 +212,25 @@ def twice_in_a_row(model: str, at: float, kills: List[Kill], outcomes: List[Outc
     Any state counts: the inventory the killer reads may still say a child
     is ready when the agent has begun to restart it (a load the kill then
     hits), most often on a busy machine; what must never happen is a model
-    refused for kills of other models' children."""
-    events = [(k.at, "kill") for k in kills if k.model == model and k.at < at]
-    events += [(o.ended, "ok") for o in outcomes if o.model == model and o.reason == "ok" and o.ended < at]
-    events.sort()
-    return [what for _, what in events[-2:]] == ["kill", "kill"]
+    refused for kills of other models' children.  A success proves a load
+    between two kills only if it was sent after the first and answered
+    before the second: one answered just after a kill may have been written
+    by the child the kill hit."""
+    own = [k.at for k in kills if k.model == model and k.at < at]
+    if len(own) < 2:
+        return False
+    first, second = own[-2:]
+    oks = [o for o in outcomes if o.model == model and o.reason == "ok"]
+    return not any(first < o.started and o.ended < second or second < o.started and o.ended < at
+                   for o in oks)
+
+
+def history(model: str, at: float, kills: List[Kill], outcomes: List[Outcome]) -> str:
+    """The model's kills and successes in the 30 s before ``at``, for a failure's message."""
+    events = [(k.at, f"kill pid {k.pid} ({k.state})") for k in kills if k.model == model]
+    events += [(o.started, f"ok sent, answered {o.ended - o.started:.2f}s later") for o in outcomes
+               if o.model == model and o.reason == "ok"]
+    return "; ".join(f"{t - at:+.2f}s {what}" for t, what in sorted(events) if at - 30 <= t <= at)
 
 
 class BackoffSoakTest(SynchronousTestCase):
@@ -277,7 +291,8 @@ class BackoffSoakTest(SynchronousTestCase):
         for o in outcomes:
             if o.reason == "backing_off":
                 self.assertTrue(twice_in_a_row(o.model, o.ended, kills, outcomes),
-                                f"{o.model} refused though its loads were not killed twice in a row: {o}")
+                                f"{o.model} refused though its loads were not killed twice in a row: {o}; "
+                                f"its history: {history(o.model, o.ended, kills, outcomes)}")
         # Each model was served, and at the end nothing backs off.
         for model in MODELS:
             self.assertTrue(any(o.model == model and o.reason == "ok" for o in outcomes), model)

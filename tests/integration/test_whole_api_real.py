@@ -131,6 +131,8 @@ class WholeApiRealTests(SynchronousTestCase):
             "/v1/messages/count_tokens": {"messages": HI},
             "/v1/chat/completions/input_tokens": {"messages": HI},
             "/v1/responses/input_tokens": {"input": "hi"},
+            "/chat/completions/input_tokens": {"messages": HI},
+            "/responses/input_tokens": {"input": "hi"},
             "/infill": {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 2},  # not a FIM model: 501
             "/v1/rerank": {"query": "a", "documents": ["b"]},  # not started with --reranking: 501
             "/v1/embeddings": {"input": "x"},  # not started with --embeddings: 501
