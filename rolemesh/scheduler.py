@@ -73,7 +73,7 @@ from typing import Callable, Deque, Dict, Iterable, List, Mapping, Optional, Seq
 import attr
 
 from rolemesh.enums import StrEnum
-from rolemesh.fairqueue import DEFAULT_SHARE, FairOrder, Share
+from rolemesh.fairqueue import DEFAULT_SHARE, FairOrder, Order, Share
 from rolemesh.prefix import affine_choice
 
 
@@ -123,8 +123,8 @@ class Ticket:
     need: Optional[Mapping[str, int]] = None
     #: Whose request it is, and its band (fair queueing).
     share: Share = DEFAULT_SHARE
-    #: Its place in the lane's fair order (band rank, start tag).
-    order: Tuple[int, float] = (0, 0.0)
+    #: Its place in the lane's fair order (band rank, start tag, tie-break).
+    order: Order = (0, 0.0, 0)
 
 
 @attr.s(eq=False, auto_attribs=True)
@@ -292,12 +292,21 @@ class Scheduler:
         returns, so ``context`` carries what it needs."""
         book = self.choose(model_id, only=device, lanes=lanes, need=need, prefer=prefer, max_imbalance=max_imbalance,
                            replicas=replicas)
-        ticket = Ticket(next(self._ids), model_id, max(1, parallel), book.name, context=context, need=need,
-                        share=share, order=book.fair.tag(share))
+        seq = next(self._ids)
+        ticket = Ticket(seq, model_id, max(1, parallel), book.name, context=context, need=need,
+                        share=share, order=self._tag(book, share, seq))
         self._count(share.tenant, 1)
         self._enqueue(book, ticket)
         self._settle(book)
         return ticket
+
+    @staticmethod
+    def _tag(book: DeviceBook, share: Share, seq: int) -> Order:
+        """A new ticket's fair order; a lane with nothing queued or running
+        forgets its tenants first (idle use is held against no one)."""
+        if not book.running and not book.queue:
+            book.fair.forget()
+        return book.fair.tag(share, seq)
 
     def _count(self, tenant: str, delta: int) -> None:
         pending = self.tenant_pending
@@ -351,7 +360,10 @@ class Scheduler:
         if (book.model != model_id or book.queue or len(book.running) >= book.slots or self.overlaps[book.name]
                 or not ready(book.name)):
             return None
-        ticket = Ticket(next(self._ids), model_id, max(1, parallel), book.name, RUNNING, need=need, share=share)
+        seq = next(self._ids)
+        ticket = Ticket(seq, model_id, max(1, parallel), book.name, RUNNING, need=need, share=share,
+                        order=self._tag(book, share, seq))
+        book.fair.started(ticket.order, share.tenant)  # as _start does: virtual time moves with what is served
         self._count(share.tenant, 1)
         book.slots = ticket.parallel  # as _start does
         book.running.append(ticket)
@@ -393,7 +405,24 @@ class Scheduler:
             book.queue.remove(ticket)
             ticket.state = CANCELLED
             self._count(ticket.share.tenant, -1)
+            self._give_back(book, ticket)
             self._settle(book)
+
+    def _give_back(self, book: DeviceBook, gone: Ticket) -> None:
+        """``gone`` left the queue before it started: its charge is given
+        back, so its tenant's later tickets move up by it (to their new place)."""
+        give = book.fair.withdrawn(gone.order, gone.share, gone.id)
+        rank, tenant = gone.order[0], gone.share.tenant
+        later = sorted((t for t in book.queue if t.order[0] == rank and t.share.tenant == tenant
+                        and t.order > gone.order), key=lambda t: t.order)
+        if not give or not later:
+            return
+        prev = gone.order[2]  # the next one follows what came before the one that left
+        for ticket in later:
+            book.queue.remove(ticket)
+            ticket.order, prev = (rank, ticket.order[1] - give, prev), ticket.id
+        for ticket in later:
+            self._enqueue(book, ticket)
 
     def model_loaded(self, device: str, model_id: str, slots: int = 1) -> None:
         """The device's child has (or is loading) ``model_id``."""
@@ -445,7 +474,7 @@ class Scheduler:
                 other.queue[0].overtaken += 1
         book.model, book.slots = ticket.model_id, ticket.parallel
         book.running.append(ticket)
-        book.fair.started(ticket.order)
+        book.fair.started(ticket.order, ticket.share.tenant)
         ticket.state = RUNNING
         self._on_start(ticket)
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.fairqueue import BATCH, INTERACTIVE, FairOrder, Share
-from rolemesh.scheduler import QUEUED, RUNNING, QueueFull, Scheduler
+from rolemesh.scheduler import DONE, QUEUED, RUNNING, QueueFull, Scheduler
 from tests.test_scheduler import TicketRules
 
 
@@ -65,8 +65,30 @@ class FairOrderTests(SynchronousTestCase):
     def test_old_tenants_are_pruned(self):
         order = FairOrder()
         for i in range(FairOrder.PRUNE_AT * 2):
-            order.started(order.tag(Share(f"t{i}")))
-        self.assertLessEqual(len(order._last), FairOrder.PRUNE_AT)
+            order.started(order.tag(Share(f"t{i}")), f"t{i}")
+        self.assertLessEqual(len(order), FairOrder.PRUNE_AT)
+
+    def test_a_tenant_with_tickets_queued_is_never_pruned(self):
+        order = FairOrder()
+        flood = [order.tag(Share("A"), seq) for seq in range(1, 9)]
+        order.started(flood[0], "A")
+        for i in range(FairOrder.PRUNE_AT * 2):  # a flood of distinct tenant names
+            order.started(order.tag(Share(f"t{i}"), 100 + i), f"t{i}")
+        self.assertEqual(order.tag(Share("A"), 999)[1], flood[-1][1] + 1, "A's place is kept")
+
+    def test_a_withdrawn_ticket_gives_its_charge_back(self):
+        order = FairOrder()
+        tickets = [order.tag(Share("A", weight=2)) for _ in range(3)]
+        self.assertEqual(order.withdrawn(tickets[2], Share("A", weight=2)), 0.5)
+        self.assertEqual(order.tag(Share("A", weight=2))[1], tickets[2][1], "the next takes the place it left")
+
+    def test_forget_starts_everyone_at_now(self):
+        order = FairOrder()
+        for _ in range(5):
+            order.started(order.tag(Share("B")), "B")
+        now = order.tag(Share("C"))[1]
+        order.forget()
+        self.assertEqual(order.tag(Share("B"))[1], now)
 
 
 class FairQueueTests(SynchronousTestCase):
@@ -76,6 +98,65 @@ class FairQueueTests(SynchronousTestCase):
         late = s.submit("a", share=Share("B"))
         order = drain(s, started)
         self.assertEqual(order[:2], [late, flood[1]], "B's one request runs next, not after the 9 queued")
+
+    def test_a_tenant_that_used_the_idle_device_is_next_after_a_flood(self):
+        """Issue 38's case: B alone on the device (through admit and submit),
+        then A queues eight, then B sends one: B is served second, not fourth."""
+        s, started = loaded()
+        s.finish(s.admit("a", share=Share("B")))
+        s.finish(s.submit("a", share=Share("B")))
+        flood = [s.submit("a", share=Share("A")) for _ in range(8)]
+        back = s.submit("a", share=Share("B"))
+        self.assertEqual(drain(s, started)[:2], [back, flood[1]])
+
+    def test_a_tenant_never_seen_is_next_after_a_flood_begun_on_an_idle_device(self):
+        s, started = loaded()
+        first = s.admit("a", share=Share("A"))  # straight to the idle device: tagged, and time moves
+        flood = [s.submit("a", share=Share("A")) for _ in range(7)]
+        new = s.submit("a", share=Share("C"))
+        s.finish(first)
+        self.assertEqual([t for t in started if t.state == RUNNING], [new], "C runs next")
+        self.assertEqual(drain(s, started), flood, "then A's, in order")
+
+    def test_a_tenant_whose_request_runs_as_a_flood_begins_waits_for_one_of_it(self):
+        s, started = loaded()
+        running = s.submit("a", share=Share("B"))
+        flood = [s.submit("a", share=Share("A")) for _ in range(8)]
+        back = s.submit("a", share=Share("B"))
+        s.finish(running)
+        self.assertEqual([t for t in started if t.state == RUNNING], [flood[0]])
+        self.assertEqual(drain(s, started)[:2], [back, flood[1]], "B after one of A's")
+
+    def test_cancelled_requests_are_not_charged(self):
+        """20 of A's requests abandoned in the queue (499s, queue timeouts)
+        leave A's next one where it would have been without them."""
+        s, started = loaded()
+        s.submit("a", share=Share("B"))  # running
+        b = [s.submit("a", share=Share("B")) for _ in range(10)]
+        for ticket in [s.submit("a", share=Share("A")) for _ in range(20)]:
+            s.cancel(ticket)
+        a = s.submit("a", share=Share("A"))
+        self.assertEqual(drain(s, started)[:2], [a, b[0]], "first, as without them")
+
+    def test_a_cancelled_ticket_moves_its_tenants_later_ones_up(self):
+        s, started = loaded()
+        s.submit("a", share=Share("A"))  # running
+        a = [s.submit("a", share=Share("A")) for _ in range(4)]
+        b = [s.submit("a", share=Share("B")) for _ in range(4)]
+        s.cancel(a[1])
+        self.assertEqual(drain(s, started), [b[0], a[0], b[1], a[2], b[2], a[3], b[3]])
+
+    def test_many_tenant_names_undo_no_ones_place(self):
+        s, started = loaded(limit=1000)
+        s.submit("a", share=Share("A"))  # running
+        flood = [s.submit("a", share=Share("A")) for _ in range(8)]
+        for i in range(300):  # distinct names, two waiting each: 300 tenants ahead of the virtual time
+            s.submit("a", share=Share(f"t{i}"))
+            s.submit("a", share=Share(f"t{i}"))
+        later = s.submit("a", share=Share("A"))
+        order = drain(s, started)
+        self.assertEqual([t for t in order if t.share.tenant == "A"], flood + [later])
+        self.assertEqual(order[-1], later, "A's next one still after A's flood and everyone's turns")
 
     def test_without_tenants_it_is_first_come_first_served(self):
         s, started = loaded()
@@ -139,6 +220,42 @@ class FairQueueTests(SynchronousTestCase):
         self.assertEqual(s.tenant_pending, {})
 
 
+class ReturningTenantTests(SynchronousTestCase):
+    @given(st.lists(st.tuples(st.sampled_from(["submit", "submit", "finish", "cancel"]),
+                              st.sampled_from(["A", "B", "C"]), st.integers(0, 63)), max_size=40),
+           st.integers(2, 10), st.booleans())
+    def test_a_tenant_that_comes_back_waits_one_turn_of_the_round(self, history, flood, third):
+        """Any history (requests, completions, cancels), then A floods, then
+        B -- with nothing queued or running -- sends one.  Of A and B alone:
+        before B's starts, at most one more of A's does.  With a third tenant
+        C: at most the rest of the round under way and one turn of the next,
+        two of each."""
+        if not third:
+            history = [step for step in history if step[1] != "C"]
+        s, started = loaded(limit=1000)
+        live = []
+        for op, tenant, pick in history:
+            if op == "submit":
+                live.append(s.submit("a", share=Share(tenant)))
+            elif live:
+                ticket = live[pick % len(live)]
+                (s.finish if op == "finish" else s.cancel)(ticket)
+            live = [t for t in live if t.state in (QUEUED, RUNNING)]
+        for ticket in live:
+            if ticket.share.tenant == "B":
+                s.cancel(ticket)
+        for _ in range(flood):
+            s.submit("a", share=Share("A"))
+        back = s.submit("a", share=Share("B"))
+        order = drain(s, started)
+        if back not in order:
+            self.assertEqual(back.state, DONE, "it started at once")
+            return
+        ahead = order[:order.index(back)]
+        for tenant in ("A", "C"):
+            self.assertLessEqual(sum(t.share.tenant == tenant for t in ahead), 2 if third else 1, (tenant, ahead))
+
+
 class AffinityTests(SynchronousTestCase):
     def test_the_preferred_lane_unless_clearly_busier(self):
         s, _ = loaded(devices=("d0", "d1"))
@@ -193,7 +310,7 @@ class FairSchedulerMachine(TicketRules, RuleBasedStateMachine):
             known = self.claimed_ahead.get(waiting.id)
             if known is not None:
                 assert ticket.id in known, f"{ticket.id} started before {waiting.id}, which had waited enough"
-        rank, tag = ticket.order
+        rank, tag = ticket.order[:2]
         now = self.now[ticket.device]
         now[rank] = max(now.get(rank, 0.0), tag)
         if not ticket.switched:
@@ -215,6 +332,7 @@ class FairSchedulerMachine(TicketRules, RuleBasedStateMachine):
         room = {n: b.pending for n, b in books.items() if b.pending < self.limit and pin in (None, n)}
         holding = {n: p for n, p in room.items() if books[n].model == model}
         starts = self.starts
+        idle = {n: not b.running and not b.queue for n, b in books.items()}
         try:
             ticket = self.scheduler.submit(model, device=pin, share=share, prefer=prefer,
                                            max_imbalance=self.imbalance)
@@ -231,9 +349,11 @@ class FairSchedulerMachine(TicketRules, RuleBasedStateMachine):
         # The tag is start-time fair queueing's, in the lane's own books.
         rank = (INTERACTIVE, BATCH).index(band)
         lane = ticket.device
+        if idle[lane]:
+            self.last[lane] = {}  # an idle lane forgets its tenants
         start = max(self.now[lane].get(rank, 0.0), self.last[lane].get((rank, tenant), 0.0))
         self.last[lane][(rank, tenant)] = start + 1 / share.weight
-        assert ticket.order == (rank, start), (ticket.order, (rank, start))
+        assert ticket.order[:2] == (rank, start), (ticket.order, (rank, start))
         if ticket.state == QUEUED and self.starts == starts:
             queue = list(books[lane].queue)
             i = queue.index(ticket)
@@ -242,6 +362,25 @@ class FairSchedulerMachine(TicketRules, RuleBasedStateMachine):
                 ahead = queue[i - 1]
                 assert ahead.order <= ticket.order or ahead.overtaken >= self.bound
         self.tickets.append(ticket)
+
+    @precondition(lambda self: any(t.state in (QUEUED, RUNNING) for t in self.tickets))
+    @rule(data=st.data())
+    def cancel(self, data):
+        """As TicketRules's, with the model's give-back: a queued ticket's
+        charge returns to its tenant, and its later tickets move up by it."""
+        live = [t for t in self.tickets if t.state in (QUEUED, RUNNING)]
+        ticket = data.draw(st.sampled_from(live))
+        queued = ticket.state == QUEUED
+        later = {t.id: t.order[1] for t in self.scheduler.devices[ticket.device].queue
+                 if t.share.tenant == ticket.share.tenant and t.order[0] == ticket.order[0]
+                 and t.order > ticket.order}
+        self.scheduler.cancel(ticket)
+        if queued:
+            give = 1 / ticket.share.weight
+            self.last[ticket.device][(ticket.order[0], ticket.share.tenant)] -= give
+            for t in self.scheduler.devices[ticket.device].queue:
+                if t.id in later:
+                    assert t.order[1] == later[t.id] - give, "the tenant's later tickets move up"
 
     @rule(device=st.sampled_from(["d0", "d1"]), model=st.sampled_from(["a", "b"]))
     def load_finished(self, device, model):

@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import threading
+import time
 from typing import Any, Dict, List, Optional, Set
 
 from twisted.trial.unittest import SynchronousTestCase
@@ -164,6 +165,40 @@ class TenantTests(_Agent):
         return any(line.startswith((f'rolemesh_tenant_queued{{tenant="{tenant}"}}',
                                     f'rolemesh_tenant_running{{tenant="{tenant}"}}'))
                    and not line.endswith(" 0.0") for line in text.splitlines())
+
+    def test_a_tenant_that_used_the_idle_device_is_not_punished_when_it_comes_back(self) -> None:
+        """Issue 38: B alone on the idle device, then A's flood of eight, then
+        B again: B waits for the running request and at most one of A's, so
+        its latency stays within 2.5 times its latency alone."""
+        agent = self.start(api_keys=KEYS, preload=["tiny"])
+        wait_until(lambda: agent.request("GET", "/ready")[0] == 200, 60, what="the preload")
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 3000, "ignore_eos": True}  # ~0.5 s each
+        alone = []
+        for _ in range(3):  # B alone on the idle device (the first warms the child)
+            began = time.monotonic()
+            self.assertEqual(post(agent.port, "/v1/completions", body, key="k-one"), 200)
+            alone.append(time.monotonic() - began)
+        flood = [threading.Thread(target=post, args=(agent.port, "/v1/completions", body, "k-flood", f"a{i}"))
+                 for i in range(8)]
+        for t in flood:
+            t.start()
+
+        def queued() -> int:
+            status, _, answer = agent.request("GET", "/v1/node/inventory", headers={"Authorization": "Bearer k-one"})
+            assert status == 200, answer
+            return json.loads(answer)["devices"][0]["queued"]
+
+        wait_until(lambda: queued() >= 6, 30, what="the flood queued")
+        began = time.monotonic()
+        self.assertEqual(post(agent.port, "/v1/completions", body, key="k-one", rid="b"), 200)
+        behind = time.monotonic() - began
+        for t in flood:
+            t.join(300)
+        done = self.finish_order(agent, {"b", *(f"a{i}" for i in range(8))})
+        self.assertLessEqual(done.index("b"), 2, done)
+        base = min(alone[1:])
+        print(f"\nB alone {base:.3f}s, behind the flood {behind:.3f}s ({behind / base:.2f}x)", flush=True)
+        self.assertLessEqual(behind, 2.5 * base, (behind, alone, done))
 
     def test_a_flood_does_not_starve_another_tenant_and_the_cap_is_429(self) -> None:
         agent = self.start(api_keys=KEYS, preload=["tiny"])
