@@ -195,8 +195,8 @@ class TenantTests(_Agent):
         for t in flood:
             t.join(300)
         done = self.finish_order(agent, {"b", *(f"a{i}" for i in range(8))})
-        self.assertLessEqual(done.index("b"), 2, done)
-        base = min(alone[1:])
+        self.assertLessEqual(done.index("b"), 1, done)  # after the one running, at most
+        base = sum(alone[1:]) / 2  # the mean: on a busy machine one request alone varies by a third
         print(f"\nB alone {base:.3f}s, behind the flood {behind:.3f}s ({behind / base:.2f}x)", flush=True)
         self.assertLessEqual(behind, 2.5 * base, (behind, alone, done))
 
