@@ -102,12 +102,12 @@ class FairOrder:
         flow.last_seq = seq
         return order
 
-    def started(self, order: Order, tenant: Optional[str] = None) -> None:
+    def started(self, order: Order, tenant: str) -> None:
         """A ticket with ``order`` (of ``tenant``) started: the band's virtual time moves on."""
         rank, start = order[0], order[1]
         if start > self._now.get(rank, 0.0):
             self._now[rank] = start
-        flow = self._flows.get((rank, tenant)) if tenant is not None else None
+        flow = self._flows.get((rank, tenant))
         if flow is not None and flow.queued:
             flow.queued -= 1
 

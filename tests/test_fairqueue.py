@@ -59,7 +59,7 @@ class FairOrderTests(SynchronousTestCase):
         order = FairOrder()
         for _ in range(5):
             key = order.tag(Share("A"))
-            order.started(key)
+            order.started(key, "A")
         self.assertEqual(order.tag(Share("B")), key, "B starts from now, not from 0")
 
     def test_old_tenants_are_pruned(self):

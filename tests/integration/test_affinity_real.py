@@ -166,6 +166,13 @@ class TenantTests(_Agent):
                                     f'rolemesh_tenant_running{{tenant="{tenant}"}}'))
                    and not line.endswith(" 0.0") for line in text.splitlines())
 
+    @staticmethod
+    def queued(agent: AgentProcess) -> int:
+        """Requests waiting in the one device's queue (from the inventory)."""
+        status, _, answer = agent.request("GET", "/v1/node/inventory", headers={"Authorization": "Bearer k-one"})
+        assert status == 200, answer
+        return int(json.loads(answer)["devices"][0]["queued"])
+
     def test_a_tenant_that_used_the_idle_device_is_not_punished_when_it_comes_back(self) -> None:
         """Issue 38: B alone on the idle device, then A's flood of eight, then
         B again: B waits only for the request running when it came -- it
@@ -187,12 +194,7 @@ class TenantTests(_Agent):
         for t in flood:
             t.start()
 
-        def queued() -> int:
-            status, _, answer = agent.request("GET", "/v1/node/inventory", headers={"Authorization": "Bearer k-one"})
-            assert status == 200, answer
-            return json.loads(answer)["devices"][0]["queued"]
-
-        wait_until(lambda: queued() >= 6, 30, what="the flood queued")
+        wait_until(lambda: self.queued(agent) >= 6, 30, what="the flood queued")
         began = time.monotonic()
         self.assertEqual(post(agent.port, "/v1/completions", body, key="k-one", rid="b"), 200)
         behind = time.monotonic() - began
@@ -224,12 +226,7 @@ class TenantTests(_Agent):
         flood = [threading.Thread(target=send, args=(f"a{i}", "k-flood")) for i in range(8)]
         for t in flood:
             t.start()
-        def queued() -> int:
-            status, _, answer = agent.request("GET", "/v1/node/inventory", headers={"Authorization": "Bearer k-one"})
-            assert status == 200, answer
-            return json.loads(answer)["devices"][0]["queued"]
-
-        wait_until(lambda: queued() >= 7, 30, what="the flood queued")
+        wait_until(lambda: self.queued(agent) >= 7, 30, what="the flood queued")
         one = threading.Thread(target=send, args=("b", "k-one"))
         one.start()
         # The cap: a second request of the capped tenant while its first waits.
