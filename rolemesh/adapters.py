@@ -50,6 +50,15 @@ def with_lora(payload: Mapping[str, Any], model: ModelConfig, name: Optional[str
     return json.dumps(body).encode("utf-8")
 
 
+def instances_with_lora(payload: Mapping[str, Any], model: ModelConfig, name: str) -> bytes:
+    """A ``/predict`` body (rolemesh/vertex_ai.py) with :func:`with_lora`'s
+    ``lora`` set in each instance: each is a request of its own to the child."""
+    lora = lora_field(model, name)
+    body = dict(payload)
+    body["instances"] = [dict(i, lora=lora) if isinstance(i, dict) else i for i in payload.get("instances") or ()]
+    return json.dumps(body).encode("utf-8")
+
+
 def adapter_entries(base_entry: Mapping[str, Any], model: ModelConfig) -> List[Dict[str, Any]]:
     """``GET /v1/models`` entries of ``model``'s adapters, next to its own
     ``base_entry``: where the base is loaded (one child serves them all),

@@ -100,6 +100,8 @@ ROUTES: Tuple[Route, ...] = (
     *_relayed("embedding", "/embedding", "/embeddings"),
     *_relayed("infill", "/infill"),
     *_relayed("rerank", "/v1/rerank", "/rerank", "/v1/reranking", "/reranking"),
+    # Google Vertex AI's prediction protocol (rolemesh/vertex_ai.py): each child serves it.
+    *_relayed("predict", "/predict"),
     *_relayed("audio/transcriptions", "/v1/audio/transcriptions", "/audio/transcriptions", body=FORM_BODY,
               fast=False),
     # Token utilities: the model's child, no generation slot.

@@ -50,7 +50,7 @@ class ApiKeys:
         if found < 0:
             return errors.ApiError(
                 401, "missing or invalid API key (send Authorization: Bearer <key> or x-api-key: <key>)",
-                "invalid_request_error", "invalid_api_key",
+                "authentication_error", "invalid_api_key",  # llama-server's type, and Anthropic's
             ), None
         return None, found
 

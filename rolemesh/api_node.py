@@ -98,7 +98,7 @@ class NodeRoutes:
             entry.update({k: v for k, v in self.node.model_memory(model).items() if k != "model_id"})
             # What llama-server's own entries carry (its names, tags, modalities).
             entry["aliases"] = list(model.names)
-            entry["tags"] = []
+            entry["tags"] = list(model.tags)
             entry["architecture"] = {"input_modalities": ["text", "image"] if model.mmproj else ["text"],
                                      "output_modalities": ["text"]}
             if leaving:

@@ -21,7 +21,7 @@ from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
 from rolemesh import errors
-from rolemesh.adapters import with_lora
+from rolemesh.adapters import instances_with_lora, with_lora
 from rolemesh.api_answers import form_model, parse_body, request_body
 from rolemesh.api_keys import ApiKeys
 from rolemesh.config import ModelConfig, NodeConfig
@@ -34,6 +34,7 @@ from rolemesh.node import Lease, Node, Pin
 from rolemesh.proxy import CLIENT_GONE, STALLED, STREAM_ENDS, Forward, Proxy, RequestShape, UpstreamUnreachable
 from rolemesh.routes import FORM_BODY, GENERATE, Route
 from rolemesh.tenants import Tenants
+from rolemesh.vertex_ai import predict_model
 
 #: The API's log namespace (the request log line's, whichever module writes it).
 log = Logger(namespace="rolemesh.api")
@@ -305,12 +306,13 @@ class Relay:
                 shape: Optional[RequestShape] = RequestShape(headers=Headers({b"content-type": [content_type]}))
             else:
                 payload = parse_body(body, self.config.max_request_body_bytes, model_required=False)
-                name = payload.get("model")
+                name = payload.get("model") if endpoint != "predict" else predict_model(payload)
                 shape = _SHAPES.get(endpoint)
             model, served_as = self.node.resolve_request(name)
             record.model = model.model_id
             if model.lora_adapters and payload is not None:  # the agent sets the adapters' scales
-                body = with_lora(payload, model, served_as)
+                body = (with_lora(payload, model, served_as) if endpoint != "predict" else
+                        instances_with_lora(payload, model, served_as))
             prompt = payload if endpoint in PREFIXED else None  # prefix affinity: not for embeddings ...
             streaming = payload is not None and payload.get("stream") is True
             conversation = request.getHeader(b"x-conversation-id") if streaming else None

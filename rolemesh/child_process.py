@@ -35,6 +35,7 @@ from rolemesh.config import ModelConfig
 from rolemesh.devices import DeviceRef
 from rolemesh.interfaces import IDeviceBackend
 from rolemesh.llama_args import build_argv
+from rolemesh.vertex_ai import child_environment
 
 log = Logger()
 
@@ -371,6 +372,7 @@ class Launcher:
         """llama-server's argv, its environment, and the argv to exec (wrapped)."""
         base = os.environ if self.environ is None else self.environ
         defaults, env, cpus = pin_child(self.backend, self.members, base)
+        env = child_environment(env, port)  # its own /predict (rolemesh.vertex_ai), never our AIP_* port
         argv = build_argv(self.binary, model, port, device_defaults=defaults)
         if safe_mode:
             argv.append("--" + diagnosis.SAFE_FLAG)

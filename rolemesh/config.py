@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import attr
 import yaml
 
-from rolemesh import chat_template_names
+from rolemesh import chat_template_names, vertex_ai
 from rolemesh.errors import ConfigError
 from rolemesh.tls import ClientTLSFiles, ServerTLSFiles, escape_endpoint_value, split_endpoint_description
 
@@ -152,15 +152,33 @@ def _string(path: str, value: Any) -> str:
     return value
 
 
+def _hosts(path: str, value: Any) -> Tuple[str, ...]:
+    """The addresses to listen on: one, a list, or llama-server's ``a,b``."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list) and not isinstance(value, str):
+        raise _fail(path, "an address or a list of addresses", value)
+    hosts: List[str] = []
+    for i, item in enumerate(items):
+        here = path if isinstance(value, str) else f"{path}[{i}]"
+        host = _string(here, item.strip() if isinstance(item, str) else item)
+        if any(c.isspace() for c in host):
+            raise ConfigError(f"{here}: an address (a host name or an IP) has no spaces: {_show(item)}")
+        if host not in hosts:
+            hosts.append(host)
+    if not hosts:
+        raise _fail(path, "an address or a list of addresses", value)
+    return tuple(hosts)
+
+
+def _several_hosts(value: Any) -> Tuple[str, ...]:
+    """``listen_hosts``: every address when there are several, else ()."""
+    hosts = _hosts("listen_host", value) if value is not None else ()
+    return hosts if len(hosts) > 1 else ()
+
+
 def _host(path: str, value: Any) -> str:
-    """One address to listen on: llama-server's ``--host a,b`` (several) is no
-    address here, and would pass ``--check`` only to fail to listen."""
-    host = _string(path, value)
-    if "," in host or any(c.isspace() for c in host):
-        raise ConfigError(
-            f"{path}: one address (a host name or an IP), not {_show(value)}; to take IPv4 and IPv6 "
-            "at once, listen on a dual-stack socket: `listen: tcp6:<port>:interface=\\:\\:`")
-    return host
+    """The first address (``listen_hosts`` has them all)."""
+    return _hosts(path, value)[0]
 
 
 def _string_list(path: str, value: Any) -> Tuple[str, ...]:
@@ -223,6 +241,17 @@ def check_cpu_devices(path: str, value: Any) -> CpuDevices:
 
 def _roles(path: str, value: Any) -> Tuple[str, ...]:
     return _string_list(path, value or [])
+
+
+def _names(path: str, value: Any) -> Tuple[str, ...]:
+    """A list of names or labels; llama-server's comma-separated string is taken too."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    names = _string_list(path, value or [])
+    for j, name in enumerate(names):
+        if not name:
+            raise ConfigError(f"{path}[{j}]: an empty name")
+    return tuple(dict.fromkeys(names))
 
 
 def _model_devices(path: str, value: Any) -> Tuple[str, ...]:
@@ -466,6 +495,13 @@ class ModelConfig:
                                  "Roles this model can satisfy (clients may ask for a role).", nullable=True)
     alias: Optional[str] = key(None, _string, "string", "Another name for the model; passed as `--alias`.",
                                default_doc="the `model_id`")
+    aliases: Tuple[str, ...] = key((), _names, "list of strings",
+                                   "More names clients may use (llama-server's `--alias a,b,c`); listed in "
+                                   "`/v1/models` as `aliases`, the node resolves them (the child answers to "
+                                   "`alias`).", nullable=True)
+    tags: Tuple[str, ...] = key((), _names, "list of strings",
+                                "Free labels listed in `/v1/models` as `tags` (llama-server's `--tags`).",
+                                nullable=True)
     ctx_size: Optional[int] = key(None, _positive_int, "positive integer", "`--ctx-size`",
                                   default_doc="llama-server's")
     batch_size: Optional[int] = key(None, _positive_int, "positive integer", "`--batch-size`",
@@ -559,7 +595,8 @@ class ModelConfig:
 
     @property
     def names(self) -> Tuple[str, ...]:
-        return (self.model_id,) if not self.alias else (self.model_id, self.alias)
+        named = (self.model_id,) if not self.alias else (self.model_id, self.alias)
+        return named + tuple(a for a in self.aliases if a not in named)
 
     @property
     def parallel(self) -> int:
@@ -581,7 +618,13 @@ class NodeConfig:
     #: ``""`` only before :func:`check_environment` (which puts in the host name).
     node_id: str = key("", _string, "string", "Name of this node at the dispatcher.",
                        default_doc="the host name", nullable=True)
-    listen_host: str = key("127.0.0.1", _host, "string", "Address the API listens on (one).", nullable=True)
+    listen_host: str = key(
+        "127.0.0.1", _host, "address, or list of addresses",
+        "Address the API listens on; several (a list, or llama-server's `a,b`) listen on one port.",
+        nullable=True)
+    #: Every address of ``listen_host`` where it names several (else (): one
+    #: address, or the ``listen`` endpoint's).  Read :attr:`addresses`.
+    listen_hosts: Tuple[str, ...] = derived(())
     listen_port: int = key(8090, _port, "integer 0-65535", "Port the API listens on (0 = any free port).")
     #: A Twisted server endpoint description (never ``ssl:``: that becomes
     #: ``tcp:`` plus the tls_* files); None = TCP on listen_host:listen_port.
@@ -775,7 +818,12 @@ class NodeConfig:
     def exposed_without_key(self) -> bool:
         """Listening beyond loopback with no API key: anyone who reaches the
         port can use every model."""
-        return not is_loopback(self.listen_host) and not self.api_keys
+        return not all(is_loopback(host) for host in self.addresses) and not self.api_keys
+
+    @property
+    def addresses(self) -> Tuple[str, ...]:
+        """Every address the API listens on (``listen_host`` first)."""
+        return self.listen_hosts or (self.listen_host,)
 
     def idle_unload_for(self, model: ModelConfig) -> Optional[float]:
         if model.keep_loaded:
@@ -1058,10 +1106,12 @@ def _models(value: Any) -> Tuple[ModelConfig, ...]:
     names: Dict[str, str] = {}
     for i, m in enumerate(models):
         adapter_ids = tuple((f"lora_adapters[{j}].id", a.id) for j, a in enumerate(m.lora_adapters))
-        for key_name, name in (("model_id", m.model_id), ("alias", m.alias)) + adapter_ids:
+        more = tuple((f"aliases[{j}]", a) for j, a in enumerate(m.aliases))
+        for key_name, name in (("model_id", m.model_id), ("alias", m.alias)) + more + adapter_ids:
             if name is None:
                 continue
-            if name in names and not (key_name == "alias" and names[name] == f"models[{i}].model_id"):
+            ours = names.get(name, "").startswith(f"models[{i}].")
+            if name in names and not (key_name != "model_id" and ours and not key_name.startswith("lora")):
                 here, other = f"models[{i}].{key_name}", names[name]
                 if key_name == "model_id" and other.endswith(".model_id"):
                     raise ConfigError(f"{here}: duplicate model_id {_show(name)} (also {other})")
@@ -1227,11 +1277,12 @@ def _listener(values: Mapping[str, Any]) -> Dict[str, Any]:
             port = _endpoint_port("listen", positional[1] if len(positional) > 1 else options.get("port"))
             host = options.get("interface") or ("0.0.0.0" if kind == "tcp" else "::")
             _parse_endpoint(listen)
+    hosts = values["listen_hosts"] if listen is None else ()
     if cert is None:
         if client_ca is not None:
             raise ConfigError("tls_client_ca_file: needs tls_cert_file (mutual TLS is on top of TLS)")
-        return {"listen": listen, "listen_host": host, "listen_port": port}
-    return {"listen": listen, "listen_host": host, "listen_port": port,
+        return {"listen": listen, "listen_host": host, "listen_hosts": hosts, "listen_port": port}
+    return {"listen": listen, "listen_host": host, "listen_hosts": hosts, "listen_port": port,
             "tls_cert_file": cert, "tls_key_file": key_file or cert, "tls_client_ca_file": client_ca}
 
 
@@ -1263,6 +1314,7 @@ def parse(data: Mapping[str, Any]) -> NodeConfig:
         "api_keys": lambda _: _api_keys(data),
         "tenants": lambda _: _tenants(data),
         "preload": lambda so_far: _preload(data.get("preload"), so_far["models"]),
+        "listen_hosts": lambda _: _several_hosts(data.get("listen_host")),
     })
     values.update(_listener(values))
     _dispatcher_tls(values)
@@ -1374,6 +1426,7 @@ def check_environment(
 
     Fills in the host name, the advertised URL (a wildcard listener resolves
     the FQDN), the state directory and the API keys from the environment.
+    Under Vertex AI (``AIP_MODE=PREDICTION``) the port is ``AIP_HTTP_PORT``.
     With ``check_files`` (off for unit tests and documentation examples) it
     also resolves ``llama_server_bin`` on ``$PATH``, checks model files exist,
     reads ``api_key_file`` and parses non-TCP ``listen`` descriptions.
@@ -1383,6 +1436,9 @@ def check_environment(
         if config.listen is not None and _endpoint_kind(config.listen) not in ("tcp", "tcp6"):
             _parse_endpoint(config.listen)
         _check_model_files(config.models)
+    vertex = vertex_ai.from_environ(env)
+    if vertex is not None and config.listen is None:  # a Vertex AI container: where the platform sends traffic
+        config = attr.evolve(config, listen_port=vertex.http_port)
     return attr.evolve(
         config,
         node_id=config.node_id or socket.gethostname(),
@@ -1451,6 +1507,8 @@ def as_dict(config: NodeConfig) -> Dict[str, Any]:
     for key in TOP_LEVEL_KEYS:
         if hasattr(config, key.name) and key.name not in ("models", "preload"):
             data[key.name] = _plain(getattr(config, key.name))
+    if len(config.addresses) > 1 and config.listen is None:
+        data["listen_host"] = list(config.addresses)
     data["api_keys"] = ["***"] * len(config.api_keys)
     data["dispatcher_token"] = "***" if config.dispatcher_token else None
     data["preload"] = [model if device is None else {"model": model, "device": device}

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import io
 import json
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union, cast
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, maybeDeferred
 from twisted.internet.endpoints import TCP4ServerEndpoint, serverFromString
 from twisted.internet.interfaces import (
     IAddress,
@@ -254,18 +254,68 @@ class EndpointListener(Service):
         return port.stopListening() if port is not None else None
 
 
-def listening_service(site: Site, *, host: str, port: int, endpoint: Optional[str] = None,
+class AddressListeners(Service):
+    """Listens on several TCP addresses with one port (llama-server's
+    ``--host a,b``): all of them or none -- an address that cannot be had
+    closes those already open and fails start-up.  With port 0 the first
+    address picks the port and the others take the same one.  ``port`` is
+    the first address's ``IListeningPort``, as :class:`EndpointListener`'s.
+    """
+
+    def __init__(self, reactor: IAgentReactor, hosts: Sequence[str], port: int, factory: IProtocolFactory) -> None:
+        self._reactor, self._hosts, self._port, self.factory = reactor, tuple(hosts), port, factory
+        self.listeners: List[EndpointListener] = []
+
+    @property
+    def port(self) -> Optional[IListeningPort]:
+        return self.listeners[0].port if self.listeners else None
+
+    def privilegedStartService(self) -> None:  # noqa: N802 - Twisted's name
+        super().privilegedStartService()
+        self._listen()
+
+    def startService(self) -> None:  # noqa: N802 - Twisted's name
+        super().startService()
+        if not self.listeners:
+            self._listen()
+
+    def _listen(self) -> None:
+        port = self._port
+        try:
+            for host in self._hosts:
+                listener = EndpointListener(TCP4ServerEndpoint(self._reactor, port, interface=host), self.factory)
+                listener.privilegedStartService()  # raises when the address cannot be had
+                self.listeners.append(listener)
+                if port == 0 and listener.port is not None:
+                    port = cast(Any, listener.port.getHost()).port
+        except BaseException:
+            for opened in self.listeners:
+                opened.stopService()
+            self.listeners = []
+            raise
+
+    def stopService(self) -> Deferred[None]:  # noqa: N802 - Twisted's name
+        super().stopService()
+        listeners, self.listeners = self.listeners, []
+        stopping = [maybeDeferred(listener.stopService) for listener in listeners]
+        return DeferredList(stopping, consumeErrors=True).addCallback(lambda _: None)
+
+
+def listening_service(site: Site, *, hosts: Sequence[str], port: int, endpoint: Optional[str] = None,
                       tls: Optional[IOpenSSLServerConnectionCreator] = None,
-                      reactor: Optional[IAgentReactor] = None) -> EndpointListener:
+                      reactor: Optional[IAgentReactor] = None) -> Union[EndpointListener, AddressListeners]:
     """The service that listens for ``site``.
 
     ``endpoint`` is a Twisted server endpoint description (``tcp6:...``,
-    ``unix:...``); without it the site listens on TCP ``host:port``.  ``tls``
-    is an ``IOpenSSLServerConnectionCreator`` (:class:`rolemesh.tls.ServerTLS`)
-    that wraps every connection in TLS, whatever the endpoint.
+    ``unix:...``); without it the site listens on TCP ``port`` at each of
+    ``hosts``.  ``tls`` is an ``IOpenSSLServerConnectionCreator``
+    (:class:`rolemesh.tls.ServerTLS`) that wraps every connection in TLS,
+    whatever the endpoint.
     """
     reactor = resolve_reactor(reactor)
     factory: IProtocolFactory = site if tls is None else _TLSSiteFactory(tls, False, site, clock=reactor)
-    if endpoint is None:
-        return EndpointListener(TCP4ServerEndpoint(reactor, port, interface=host), factory)
-    return EndpointListener(serverFromString(reactor, endpoint), factory)
+    if endpoint is not None:
+        return EndpointListener(serverFromString(reactor, endpoint), factory)
+    if len(hosts) == 1:
+        return EndpointListener(TCP4ServerEndpoint(reactor, port, interface=hosts[0]), factory)
+    return AddressListeners(reactor, hosts, port, factory)

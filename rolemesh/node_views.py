@@ -128,7 +128,7 @@ class NodeViews(UsesReactor[IReactorTime]):
             devices.append(entry)
         warnings = [w for s in self._supervisors.values() for w in s.warnings]
         if config.exposed_without_key:
-            warnings.append(f"listening on {config.listen_host} without an api_key: anyone who can reach "
+            warnings.append(f"listening on {', '.join(config.addresses)} without an api_key: anyone who can reach "
                             "the port can use every model on this node")
         return {
             "node_id": config.node_id,

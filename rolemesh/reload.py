@@ -78,7 +78,7 @@ def _restart_only(old: NodeConfig, new: NodeConfig) -> Tuple[str, ...]:
     """The fields that keep their running value in this reload: the
     restart keys, and ``advertise_url`` too when the listen address moved (by
     default it is derived from it; the agent still listens on the old one)."""
-    listen_moved = (old.listen_host, old.listen_port) != (new.listen_host, new.listen_port)
+    listen_moved = (old.addresses, old.listen_port) != (new.addresses, new.listen_port)
     return RESTART_KEYS + (("advertise_url",) if listen_moved else ())
 
 

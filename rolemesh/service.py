@@ -205,13 +205,15 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
         super().startService()
         if self.state_lock is not None:
             self.state_lock.record()  # this pid: twistd may have forked since the lock was taken
-        host = self.config.listen_host
+        host = ", ".join(self.config.addresses)
         listening = getattr(self.listener, "port", None)  # an EndpointListener's IListeningPort
         port = listening.getHost() if listening is not None else None
         scheme = "https" if self.tls is not None else "http"
         if port is not None and hasattr(port, "port"):
-            log.info("serving the OpenAI-compatible API on {scheme}://{host}:{port}",
-                     scheme=scheme, host=host, port=port.port)
+            for address in self.config.addresses if self.config.listen is None else (self.config.listen_host,):
+                shown = f"[{address}]" if ":" in address else address
+                log.info("serving the OpenAI-compatible API on {scheme}://{host}:{port}",
+                         scheme=scheme, host=shown, port=port.port)
         elif port is not None:
             log.info("serving the OpenAI-compatible API ({scheme}) on {address}", scheme=scheme, address=port)
         if self.tls is not None:
@@ -566,7 +568,7 @@ def _serve_api(
         head_policy=api,
     )
     root.tls = ServerTLS(config.tls) if config.tls is not None else None  # ConfigError on bad files
-    listener = listening_service(site, host=config.listen_host, port=config.listen_port,
+    listener = listening_service(site, hosts=config.addresses, port=config.listen_port,
                                  endpoint=config.listen, tls=root.tls, reactor=reactor)
     listener.setServiceParent(root)
     root.listener = listener

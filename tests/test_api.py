@@ -177,6 +177,18 @@ class HealthAndModelsTests(ApiTestCase):
         self.assertEqual(by_id["e"]["aliases"], ["e", "emb"])
         self.assertEqual((by_id["b"]["tags"], by_id["b"]["architecture"]["input_modalities"]), ([], ["text"]))
 
+    def test_models_list_every_alias_and_tag(self) -> None:
+        """``aliases`` and ``tags`` as llama-server's ``--alias a,b --tags x,y`` list them; each alias routes."""
+        h = ApiHarness(models=[{"model_id": "code", "alias": "fim", "aliases": ["tinyllama-2"],
+                                "tags": ["chat", "fim", "small"]}])
+        (entry,) = h.call("GET", "/v1/models").json()["data"]
+        self.assertEqual((entry["id"], entry["aliases"], entry["tags"]),
+                         ("code", ["code", "fim", "tinyllama-2"], ["chat", "fim", "small"]))
+        pending = h.send("POST", "/v1/chat/completions", {"model": "tinyllama-2", **CHAT})
+        h.treq.flush()
+        h.node_h.answer("fim")
+        self.assertEqual(h.finish(pending).code, 200)
+
     def test_models_show_where_loading_and_loaded(self) -> None:
         h = self.h
         pending = h.send("POST", "/v1/chat/completions", {"model": "alpha", **CHAT})

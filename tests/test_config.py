@@ -133,14 +133,24 @@ class TopLevelTypeTests(ConfigTestCase):
         self.assertError({"node_id": 7}, "node_id: expected a non-empty string, got 7")
 
     def test_listen_host(self) -> None:
-        self.assertError({"listen_host": ["a"]}, 'listen_host: expected a non-empty string, got ["a"]')
-        # llama-server's --host takes a list; the node listens on one address.
-        for several in ("127.0.0.1,::1", "0.0.0.0 ::"):
-            message = self.error({"listen_host": several})
-            self.assertTrue(message.startswith(f'listen_host: one address (a host name or an IP), not "{several}"'),
-                            message)
-            self.assertIn("listen: tcp6:<port>:interface=\\:\\:", message)
-        self.assertEqual(self.valid({"listen_host": "::1"}).listen_host, "::1")
+        self.assertError({"listen_host": 7}, "listen_host: expected an address or a list of addresses, got 7")
+        self.assertError({"listen_host": ["a", ""]}, 'listen_host[1]: expected a non-empty string, got ""')
+        self.assertError({"listen_host": "0.0.0.0 ::"},
+                         'listen_host: an address (a host name or an IP) has no spaces: "0.0.0.0 ::"')
+        self.assertError({"listen_host": []}, "listen_host: expected an address or a list of addresses, got []")
+        one = self.valid({"listen_host": "::1"})
+        self.assertEqual((one.listen_host, one.addresses), ("::1", ("::1",)))
+
+    def test_several_listen_addresses(self) -> None:
+        """llama-server's ``--host 127.0.0.1,::1``, or a list: each address, on one port."""
+        for several in ("127.0.0.1,::1", "127.0.0.1, ::1,127.0.0.1", ["127.0.0.1", "::1"]):
+            config = self.valid({"listen_host": several})
+            self.assertEqual((config.listen_host, config.addresses), ("127.0.0.1", ("127.0.0.1", "::1")), several)
+            self.assertFalse(config.exposed_without_key)
+            self.assertEqual(validate(as_dict(config), check_files=False, environ={}), config)  # --check's output
+        self.assertTrue(self.valid({"listen_host": ["127.0.0.1", "0.0.0.0"]}).exposed_without_key)
+        listen = self.valid({"listen_host": "127.0.0.1,::1", "listen": "tcp6:9000:interface=\\:\\:1"})
+        self.assertEqual(listen.addresses, ("::1",))  # ``listen`` wins, as for one address
 
     def test_listen_port(self) -> None:
         self.assertError({"listen_port": "http"}, 'listen_port: expected a port number 0-65535, got "http"')
@@ -468,6 +478,21 @@ class ModelIdentityTests(ConfigTestCase):
     def test_alias_equal_to_own_model_id_is_fine(self) -> None:
         config = self.valid({"models": [model(alias="coder")]})
         self.assertEqual(config.models[0].served_name, "coder")
+
+    def test_several_aliases_and_tags(self) -> None:
+        """llama-server's ``--alias a,b,c`` and ``--tags``: a list, or its comma-separated string."""
+        config = self.valid({"models": [model(alias="fast", aliases=["code", "fim", "fast"], tags="chat, fim")]})
+        m = config.models[0]
+        self.assertEqual((m.names, m.served_name, m.tags), (("coder", "fast", "code", "fim"), "fast", ("chat", "fim")))
+        self.assertEqual(self.valid({"models": [model(aliases="a,b")]}).models[0].aliases, ("a", "b"))
+
+    def test_an_alias_in_the_list_that_names_another_model(self) -> None:
+        self.assertError(
+            {"models": [model(), second(aliases=["fim", "coder"])]},
+            'models[1].aliases[1]: "coder" already names another model (models[0].model_id)',
+        )
+        self.assertError({"models": [model(aliases=[3])]}, "models[0].aliases[0]: expected a non-empty string, got 3")
+        self.assertIn("models[0].tags: expected a list of strings", self.error({"models": [model(tags={"a": 1})]}))
 
 
 # --------------------------------------------------------------------------

@@ -89,7 +89,10 @@ class StateMachineTests(SynchronousTestCase):
         self.assertEqual(inner[:7], ["/opt/llama/llama-server", "--model", "/models/a.gguf", "--host",
                                      "127.0.0.1", "--port", "20000"])
         self.assertIn("--alias", inner)
-        self.assertEqual(process.env, {"PATH": "/usr/bin", "HOME": "/root", "FAKE_VISIBLE_DEVICES": "0"})
+        # Vertex AI's prediction mode on the child's own port: it serves /predict (rolemesh/vertex_ai.py).
+        self.assertEqual(process.env, {"PATH": "/usr/bin", "HOME": "/root", "FAKE_VISIBLE_DEVICES": "0",
+                                       "AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": "20000",
+                                       "AIP_PREDICT_ROUTE": "/predict"})
 
     def test_ready_again_is_immediate(self):
         h = self.h

@@ -533,7 +533,7 @@ class ListenerTLSTests(SynchronousTestCase):
     def test_connection_cap_still_refuses_under_tls(self) -> None:
         reactor = MemoryReactorClock()
         site = GuardedSite(Resource(), reactor=reactor, max_connections=1)
-        service = listening_service(site, host="127.0.0.1", port=8443, tls=self.tls, reactor=reactor)
+        service = listening_service(site, hosts=["127.0.0.1"], port=8443, tls=self.tls, reactor=reactor)
         service.startService()
         self.addCleanup(service.stopService)
         factory = reactor.tcpServers[0][1]
@@ -552,7 +552,7 @@ class ListenerTLSTests(SynchronousTestCase):
 
         reactor = MemoryReactorClock()
         site = GuardedSite(Resource(), reactor=reactor)
-        service = listening_service(site, host="127.0.0.1", port=8443, tls=self.tls, reactor=reactor)
+        service = listening_service(site, hosts=["127.0.0.1"], port=8443, tls=self.tls, reactor=reactor)
         service.startService()
         self.addCleanup(service.stopService)
         factory = reactor.tcpServers[0][1]
@@ -573,7 +573,7 @@ class ListenerTLSTests(SynchronousTestCase):
     def test_endpoint_description(self) -> None:
         reactor = MemoryReactorClock()
         site = GuardedSite(Resource(), reactor=reactor)
-        service = listening_service(site, host="ignored", port=1, endpoint=r"tcp6:9443:interface=\:\:1",
+        service = listening_service(site, hosts=["ignored"], port=1, endpoint=r"tcp6:9443:interface=\:\:1",
                                     tls=self.tls, reactor=reactor)
         service.startService()
         self.addCleanup(service.stopService)

@@ -121,7 +121,7 @@ class PublicListenerTests(SynchronousTestCase):
 
     def test_port_is_public_and_cleared_on_stop(self) -> None:
         reactor = MemoryReactorClock()
-        service = listening_service(self.site(reactor), host="127.0.0.1", port=8080, reactor=reactor)
+        service = listening_service(self.site(reactor), hosts=["127.0.0.1"], port=8080, reactor=reactor)
         self.assertIsInstance(service, EndpointListener)
         service.startService()
         self.assertEqual((reactor.tcpServers[0][0], reactor.tcpServers[0][3]), (8080, "127.0.0.1"))
@@ -129,9 +129,40 @@ class PublicListenerTests(SynchronousTestCase):
         service.stopService()
         self.assertIsNone(service.port)
 
+    def test_several_addresses_share_one_port(self) -> None:
+        reactor = MemoryReactorClock()
+        service = listening_service(self.site(reactor), hosts=["127.0.0.1", "::1"], port=8080, reactor=reactor)
+        service.privilegedStartService()
+        service.startService()
+        self.assertEqual([(s[0], s[3]) for s in reactor.tcpServers], [(8080, "127.0.0.1"), (8080, "::1")])
+        self.assertEqual(service.port.getHost().port, 8080)
+        self.successResultOf(service.stopService())
+        self.assertEqual((service.port, service.listeners), (None, []))
+
+    def test_an_address_that_cannot_be_had_closes_the_others(self) -> None:
+        stopped: List[str] = []
+
+        class Port:
+            def __init__(self, interface: str) -> None:
+                self.interface = interface
+
+            def stopListening(self) -> None:  # noqa: N802 - Twisted's name
+                stopped.append(self.interface)
+
+        class SecondTaken(MemoryReactorClock):
+            def listenTCP(self, port: int, factory: Any, backlog: int = 50, interface: str = "") -> Any:  # noqa: N802
+                if interface == "::1":
+                    raise CannotListenError(interface, port, OSError("address in use"))
+                return Port(interface)
+
+        reactor = SecondTaken()
+        service = listening_service(self.site(reactor), hosts=["127.0.0.1", "::1"], port=8080, reactor=reactor)
+        self.assertRaises(CannotListenError, service.privilegedStartService)
+        self.assertEqual((service.port, stopped), (None, ["127.0.0.1"]))  # all or none
+
     def test_privileged_start_listens_once(self) -> None:
         reactor = MemoryReactorClock()
-        service = listening_service(self.site(reactor), host="::", port=8080, reactor=reactor)
+        service = listening_service(self.site(reactor), hosts=["::"], port=8080, reactor=reactor)
         service.privilegedStartService()
         service.startService()
         self.assertEqual(len(reactor.tcpServers), 1)

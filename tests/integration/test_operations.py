@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from tests.integration.harness import AgentProcess, pid_alive, require_llama_server, tiny_model, wait_until
+from tests.integration.harness import (
+    AgentProcess,
+    http_request,
+    pid_alive,
+    require_llama_server,
+    tiny_model,
+    wait_until,
+)
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -67,6 +75,21 @@ class OperationsTests(SynchronousTestCase):
         self.assertEqual(len(mine), 1, records[-5:])
         self.assertEqual((mine[0]["model"], mine[0]["status"], mine[0]["device"]), ("a", 200, "cpu:0"))
         self.assertIn("duration", mine[0])
+
+    def test_several_listen_addresses(self):
+        """llama-server's ``--host 127.0.0.1,::1``: the agent answers on each address, one port."""
+        try:
+            with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+                probe.bind(("::1", 0))
+        except OSError:
+            raise SkipTest("no IPv6 loopback here")
+        agent = self.agent([{"model_id": "a", "path": self.a}], listen_host="127.0.0.1,::1")
+        for host in ("127.0.0.1", "[::1]"):
+            status, _, body = http_request("GET", f"http://{host}:{agent.port}/v1/models", timeout=5)
+            self.assertEqual((status, [m["id"] for m in json.loads(body)["data"]]), (200, ["a"]), host)
+        status, _, _ = http_request("POST", f"http://[::1]:{agent.port}/v1/chat/completions",
+                                    {"model": "a", **CHAT}, timeout=30)
+        self.assertEqual(status, 200)
 
     def test_api_key_from_the_environment(self):
         agent = self.agent([{"model_id": "a", "path": self.a}], env={"ROLEMESH_IT_KEY": "sekrit-123"},

@@ -148,6 +148,25 @@ class WholeApiRealTests(SynchronousTestCase):
             self.assertEqual(through[0], direct[0], (path, through[2], direct[2]))
             self.assertEqual(json.loads(through[2]), json.loads(direct[2]), path)
 
+    def test_vertex_ai_predict_fans_out_on_the_models_child(self) -> None:
+        """Google Vertex AI's ``POST /predict``: each instance answered by the model's child, in order."""
+        instances = [
+            {"@requestFormat": "chatCompletions", "model": "other", "max_tokens": 2, "messages": HI},
+            {"@requestFormat": "tokenize", "content": "hello world"},
+            {"@requestFormat": "nothing-here"},
+        ]
+        status, _, body = self.node("POST", "/predict", {"instances": instances})
+        self.assertEqual(status, 200, body)
+        chat, tokens, unknown = json.loads(body)["predictions"]
+        self.assertEqual((chat["object"], chat["choices"][0]["message"]["role"]), ("chat.completion", "assistant"))
+        direct = json.loads(self.node("POST", "/tokenize", {"model": "other", "content": "hello world"})[2])
+        self.assertEqual(tokens, direct)
+        self.assertIn("no handler registered for @requestFormat: nothing-here", unknown["error"]["message"])
+        status, _, inventory = self.node("GET", "/v1/node/inventory")
+        self.assertEqual(json.loads(inventory)["devices"][0]["model"], "other")  # the instances' model
+        status, _, body = self.node("POST", "/predict", {"instances": [{"model": "tiny"}, {"model": "other"}]})
+        self.assertEqual((status, json.loads(body)["error"]["code"]), (400, "invalid_model"))
+
     def test_a_utility_for_a_model_no_device_holds_loads_it(self) -> None:
         self.assertEqual(self.node("POST", "/v1/chat/completions", {"model": "tiny", "messages": HI,
                                                                      "max_tokens": 1})[0], 200)
