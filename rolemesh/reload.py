@@ -39,7 +39,7 @@ from twisted.logger import Logger
 from rolemesh.backends.groups import GROUP_SEPARATOR
 from rolemesh.config import ModelConfig, NodeConfig, load_config
 from rolemesh.errors import ConfigError
-from rolemesh.llama_args import build_argv
+from rolemesh.restart_policy import same_command
 
 log = Logger()
 
@@ -97,9 +97,7 @@ def check_groups(config: NodeConfig, groups: Sequence[str]) -> None:
 def needs_new_child(old: ModelConfig, new: ModelConfig) -> bool:
     """True when ``new`` needs another child than ``old``: another
     llama-server command line, or other devices."""
-    if getattr(old, "devices", ()) != getattr(new, "devices", ()):
-        return True
-    return build_argv("llama-server", old, 0) != build_argv("llama-server", new, 0)
+    return not same_command(old, new)
 
 
 def leaving(config: NodeConfig, pending: Iterable[ModelConfig]) -> Tuple[ModelConfig, ...]:

@@ -22,6 +22,7 @@ from rolemesh import diagnosis
 from rolemesh.backoff import load_retry_delay, restart_delay
 from rolemesh.config import ModelConfig
 from rolemesh.enums import StrEnum
+from rolemesh.llama_args import build_argv
 
 #: A child up at least this long before it fails starts a fresh failure count.
 STABLE_AFTER_S = 30.0
@@ -57,6 +58,13 @@ def bind_failed(lines: Iterable[str]) -> bool:
 def runs_safe(model: ModelConfig) -> bool:
     """The model's own arguments already ask for ``--no-repack``."""
     return any(flag == diagnosis.SAFE_FLAG and value not in (None, False) for flag, value in model.server_args)
+
+
+def same_command(old: ModelConfig, new: ModelConfig) -> bool:
+    """Whether two records of a model start the same child: one llama-server
+    command line on the same devices (what a reload keeps running)."""
+    return (getattr(old, "devices", ()) == getattr(new, "devices", ())
+            and build_argv("llama-server", old, 0) == build_argv("llama-server", new, 0))
 
 
 def safe_mode_warning(model_id: str, device: str) -> str:
@@ -178,6 +186,23 @@ class RestartPolicy:
     bind_retries: int = 0
     #: Inference probes the current child failed in a row.
     inference_failures: int = 0
+    #: model id -> the record (its command) the memory above is about: see :meth:`about`.
+    records: Dict[str, ModelConfig] = attr.Factory(dict)
+
+    def about(self, model: ModelConfig) -> None:
+        """Make the model's memory about this record.  Failures belong to the
+        command that failed: a reload that gives the model another one (the
+        fixed file, another ctx_size) starts it clean -- no back-off, run or
+        safe mode carried over from a command the config no longer has."""
+        known = self.records.get(model.model_id)
+        if known is model:
+            return
+        self.records[model.model_id] = model
+        if known is not None and known != model and not same_command(known, model):
+            for run in self.runs.values():
+                run.pop(model.model_id, None)
+            self.backoffs.pop(model.model_id, None)
+            self.safe_mode.pop(model.model_id, None)
 
     def record_failure(self, model_id: str, now: float, history: History, schedule: Schedule,
                        ready_at: Optional[float] = None, code: Optional[str] = None,
@@ -236,6 +261,7 @@ class RestartPolicy:
         """After a SIGILL at load: the warning if the model should be retried
         once with ``--no-repack`` (llama.cpp's repacked kernels are where AMX /
         AVX-512 code runs); None if it already runs that way."""
+        self.about(model)
         if model.model_id in self.safe_mode or runs_safe(model):
             return None
         warning = self.safe_mode[model.model_id] = safe_mode_warning(model.model_id, device)

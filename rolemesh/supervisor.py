@@ -334,6 +334,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         Retry-After: when it will be tried again), else None.  Only the model
         that failed is refused: another model's request is served."""
         now = self.reactor.seconds()
+        self.policy.about(model)  # a back-off of a command a reload replaced refuses nothing
         return child_failures.refusal(model.model_id, self.name, self.policy.backoff(model.model_id, now), now)
 
     def backoffs(self) -> List[BackOff]:
@@ -409,6 +410,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         model = self.model
         assert model is not None
         self.port = self.launcher.pick_port()
+        self.policy.about(model)
         argv, env, wrapped = start_command(self.launcher, model, self.port, model.model_id in self.policy.safe_mode,
                                            self.output, self.name)
         self.policy.inference_failures = 0
@@ -455,6 +457,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         """Count a failure of the current model (in the policy's run of its
         history, and as its events); log the back-off it sets, and why."""
         assert self.model is not None
+        self.policy.about(self.model)
         backoff = self.policy.record_failure(self.model.model_id, self.reactor.seconds(), account.history,
                                              account.schedule, self._attempt.ready_at, account.code, account.message)
         child_failures.log_backoff(backoff, self.name)

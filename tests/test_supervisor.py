@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 
+import attr
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet import defer
@@ -164,6 +165,53 @@ class StateMachineTests(SynchronousTestCase):
         # Another model is not held back by a's failures.
         h.sup.ensure(h.b)
         self.assertEqual(len(h.reactor.processes), 2)
+
+    def test_a_reload_that_changes_the_command_starts_the_model_clean(self):
+        """Back-off, failure runs and safe mode belong to the command that failed (issue 39, item 1)."""
+        h = self.h
+        for wait in (load_retry_delay(1), 0):  # two failed loads in a row: 300 s of back-off
+            d = h.sup.ensure(h.a)
+            h.reactor.last.exit(1)
+            self.failureResultOf(d)
+            h.reactor.advance(wait)
+        self.assertEqual(self.failureResultOf(h.sup.ensure(h.a)).value.retry_after, 300)
+        # Roles are no part of the command: the back-off stays.
+        renamed = attr.evolve(h.a, roles=("other",))
+        self.assertEqual(self.failureResultOf(h.sup.ensure(renamed)).value.retry_after, 300)
+        # The operator points the model at a good file and reloads: it loads at once.
+        fixed = attr.evolve(h.a, path="/models/fixed.gguf")
+        d = h.sup.ensure(fixed)
+        self.assertEqual(len(h.reactor.processes), 3)
+        self.assertIn("/models/fixed.gguf", h.reactor.last.argv)
+        self.assertEqual(h.sup.backoffs(), [])
+        # ... and a failure of it is its own first one: 15 s, not 600.
+        h.reactor.last.exit(1)
+        self.assertEqual(self.failureResultOf(d).value.retry_after, 15)
+
+    def test_a_failure_of_a_replaced_command_in_flight_refuses_nobody_for_the_new_one(self):
+        """A load still running for the command a reload replaced ends badly: the new command is not held back."""
+        h = self.h
+        old = h.sup.ensure(h.a)
+        h.reactor.advance(3)
+        fixed = attr.evolve(h.a, path="/models/fixed.gguf")
+        self.assertIsNone(h.sup.refusal(fixed))  # asked while the old load runs
+        h.reactor.last.exit(1)
+        self.failureResultOf(old)
+        self.assertIsNone(h.sup.refusal(fixed))
+        h.sup.ensure(fixed)
+        self.assertIn("/models/fixed.gguf", h.reactor.last.argv)
+
+    def test_safe_mode_belongs_to_the_command_too(self):
+        h = self.h
+        d = h.sup.ensure(h.a)
+        h.reactor.last.exit(signal=signal.SIGILL)
+        self.assertIn("--no-repack", h.reactor.last.argv)  # retried once in safe mode ...
+        h.reactor.last.exit(1)
+        self.failureResultOf(d)
+        self.assertEqual(len(h.sup.warnings), 1)
+        h.sup.ensure(attr.evolve(h.a, path="/models/other-build.gguf"))  # ... a command a reload replaced
+        self.assertNotIn("--no-repack", h.reactor.last.argv)
+        self.assertEqual(h.sup.warnings, [])
 
     def test_backoff_expires_and_grows_past_what_clients_honour(self):
         h = self.h

@@ -439,3 +439,62 @@ class OnceFileFlagTests(SynchronousTestCase):
         self.addCleanup(second.stop)
         status, _, body = http_request("GET", second.url + "/fake/info")
         self.assertEqual((status, json.loads(body)["flags"]), (200, {}))
+
+
+class ReloadCutOverTests(FaultTestCase):
+    """A reload that fixes a model is not held back by the failures of the command it replaced (issue 39)."""
+
+    def reload_with(self, agent: AgentProcess, path: str) -> None:
+        import yaml
+
+        with open(agent.config_path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+        config["models"][0]["path"] = path
+        with open(agent.config_path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(config, f)
+        status, _, body = agent.request("POST", "/v1/node/reload", timeout=30)
+        self.assertEqual(status, 200, body)
+        self.assertEqual(json.loads(body)["models"]["restart_on_next_use"], ["m"])
+
+    def child_argv(self, agent: AgentProcess) -> str:
+        with open(f"/proc/{self.device(agent)['pid']}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+
+    def test_a_fixing_reload_clears_the_back_off(self) -> None:
+        """Item 1: a model on a broken file backs off; pointed at a good one, it answers at once."""
+        require_llama_server()
+        broken = os.path.join(self.dir, "broken.gguf")
+        with open(broken, "wb") as f:
+            f.write(b"this is not a GGUF file" * 100)
+        agent = self.start_agent({"models": [{"model_id": "m", "path": broken}]})
+        self.assert_error(self.chat(agent), 503, "model_load_failed")
+        answer = self.chat(agent)
+        self.assert_error(answer, 503, "model_load_failed")
+        self.assertEqual(answer[1].get("retry-after"), "15")  # backing off
+        self.reload_with(agent, tiny_model(self.dir, "good", 3))
+        started = time.monotonic()
+        self.assert_chat_ok(agent)
+        print(f"\n    the fixed model answered 200 {time.monotonic() - started:.2f}s after the reload "
+              "(one load of the tiny model; it was backing off 15 s)")
+        self.assertIn("good.gguf", self.child_argv(agent))
+        self.stop_and_assert_no_orphans(agent)
+
+    def test_a_load_in_flight_for_the_replaced_file_fails_nobody_who_asked_for_the_new_one(self) -> None:
+        """Item 2: the old file's load never becomes ready; the request after the reload gets the new file."""
+        marker = self.marker()
+        config = self.fake_config(llama_server_startup_timeout_s=4)
+        good = os.path.join(self.dir, "good.gguf")
+        open(good, "wb").close()
+        agent = self.start_agent(config, env={"FAKE_LLAMA": f"once_file={marker},slow_start=100"})
+        old_thread, old_result = self.in_thread(lambda: self.chat(agent))
+        wait_until(lambda: self.device(agent)["state"] == "starting" and not os.path.exists(marker), 10,
+                   interval=0.02, what="the old file's load under way")
+        self.reload_with(agent, good)
+        new_thread, new_result = self.in_thread(lambda: self.chat(agent))
+        self.assertEqual(self.joined(new_thread, new_result)[0], 200)
+        self.assertIn("good.gguf", self.child_argv(agent))
+        old = self.joined(old_thread, old_result)
+        self.assertIn(old[0], (200, 503), old)  # admitted under the old record: its own load's outcome
+        self.assertEqual(self.chat(agent)[0], 200)  # and nothing backs the model off afterwards
+        self.assertEqual(self.device(agent)["backoff"], [])
+        self.stop_and_assert_no_orphans(agent)
