@@ -33,6 +33,7 @@ class ConfigAdoption:
         lanes_for: Callable[[ModelConfig], List[str]],
         forget_placements: Callable[[], None],
         cancel_idle: Callable[[str], None],
+        arm_idle: Callable[[str], None] = lambda device: None,
     ) -> None:
         self._supervisors = supervisors
         self._scheduler = scheduler
@@ -41,6 +42,7 @@ class ConfigAdoption:
         self._lanes_for = lanes_for
         self._forget_placements = forget_placements
         self._cancel_idle = cancel_idle
+        self._arm_idle = arm_idle
         #: device -> (config, model) that retire_if_removed found still wanted.
         self._kept: Dict[str, Tuple[NodeConfig, str]] = {}
 
@@ -60,8 +62,8 @@ class ConfigAdoption:
                 supervisor.model = new  # same command line: the running child serves it as is
             elif scheduler.devices[name].model == held.model_id:
                 scheduler.model_unloaded(name, held.model_id)
-            if scheduler.is_idle(name):
-                self.retire_if_removed(name)
+            if scheduler.is_idle(name) and not self.retire_if_removed(name):
+                self._arm_idle(name)  # the countdown restarts with the new idle_unload_s (none: it stops)
 
     def retire_if_removed(self, device: str) -> bool:
         """Stop an idle device's child whose model left the config, or may no

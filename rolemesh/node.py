@@ -129,7 +129,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
                                    self._request_started, self.leases.release, emit, reactor=reactor)
         #: What a reload changes in the running children (rolemesh.config_adoption).
         self.adoption = ConfigAdoption(self.supervisors, self.scheduler, self.prefixes, current,
-                                       self.placement.lanes_for, self.placement.forget, self.timers.cancel_idle)
+                                       self.placement.lanes_for, self.placement.forget, self.timers.cancel_idle,
+                                       self.timers.arm_idle)
         #: Start-up preloads not finished yet (``GET /ready`` waits for them).
         self.preloading = 0
         #: The children's own telemetry, sampled on the metrics interval.

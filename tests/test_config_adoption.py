@@ -43,11 +43,12 @@ class ConfigAdoptionTests(SynchronousTestCase):
         self.prefixes = PrefixMemory(16)
         self.forgotten: List[None] = []
         self.idle_cancelled: List[str] = []
+        self.idle_armed: List[str] = []
         self.lanes = {"a": ["gpu:0", "gpu:1"], "b": ["gpu:0", "gpu:1"]}
         self.adoption = ConfigAdoption(
             self.sups, self.scheduler, self.prefixes, lambda: self.config,
             lambda model: self.lanes.get(model.model_id, []), lambda: self.forgotten.append(None),
-            self.idle_cancelled.append)
+            self.idle_cancelled.append, self.idle_armed.append)
         for device, model in (("gpu:0", "a"), ("gpu:1", "b")):
             self.sups[device].model = self.config.model(model)
             self.scheduler.model_loaded(device, model)
@@ -69,6 +70,12 @@ class ConfigAdoptionTests(SynchronousTestCase):
         self.assertIsNone(self.scheduler.devices["gpu:0"].model, "the next request for a is a switch")
         self.assertEqual(self.sups["gpu:0"].stops, 0, "its child stops when the switch comes")
         self.assertEqual(self.scheduler.devices["gpu:1"].model, "b")
+
+    def test_an_idle_device_restarts_its_countdown_with_the_new_idle_unload_s(self) -> None:
+        ticket = self.scheduler.submit("b", device="gpu:1")
+        self.adopt(make_config([{"model_id": "a", "idle_unload_s": 5}, {"model_id": "b"}]))
+        self.assertEqual(self.idle_armed, ["gpu:0"], "gpu:1 is busy: armed when its request ends")
+        self.scheduler.finish(ticket)
 
     def test_a_removed_model_stops_at_once_when_idle(self) -> None:
         self.adopt(make_config([{"model_id": "a"}]))

@@ -353,6 +353,21 @@ class ReloadTests(ServiceTestCase):
         self.assertIn("2048", new_child.argv)
         waiting[0].release()
 
+    def test_a_changed_idle_unload_s_applies_to_the_running_countdown(self) -> None:
+        """idle_unload_s 3 -> none: the idle child is not unloaded 3 s later (issue 39)."""
+        h = self.harness(base(models=[{"model_id": "a", "idle_unload_s": 3}]))
+        h.start()
+        self.acquire(h, "a").release()
+        child = h.live_children()[0]
+        h.write(base(models=[{"model_id": "a"}]))
+        self.assertEqual(self.reload(h)[0], 200)
+        h.reactor.advance(10)
+        self.assertEqual(child.signals, [], "no idle unload: the reload took idle_unload_s away")
+        h.write(base(models=[{"model_id": "a", "idle_unload_s": 2}]))
+        self.assertEqual(self.reload(h)[0], 200)
+        h.reactor.advance(2)
+        self.assertIn(signal.SIGTERM, child.signals)
+
     def test_changed_command_never_restarts_under_parallel_requests(self) -> None:
         h = self.harness(base(models=[{"model_id": "p", "server_args": {"parallel": 2}}]))
         h.start()
