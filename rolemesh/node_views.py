@@ -20,6 +20,7 @@ from rolemesh.placement import Placement
 from rolemesh.prefix import PrefixMemory
 from rolemesh.prompt_cache import PromptCacheTally
 from rolemesh.reload import leaving
+from rolemesh.restart_policy import same_command
 from rolemesh.scheduler import Scheduler
 from rolemesh.supervisor import STARTING, DeviceSupervisor
 from rolemesh.telemetry import ChildTelemetry, device_issues, load_progress
@@ -94,9 +95,17 @@ class NodeViews(UsesReactor[IReactorTime]):
                 restarts=snap["restarts"], metrics=metrics,
             )
             entry.update(self._telemetry_state(supervisor, len(book.queue), metrics))
+            entry["stale"] = self._stale(supervisor.model)
             entry["group"] = self._group_on(device.name)
             out.append(entry)
         return out
+
+    def _stale(self, held: Optional[ModelConfig]) -> bool:
+        """Whether a child's record is one the config no longer has (a reload changed its command)."""
+        if held is None:
+            return False
+        current = next((m for m in self._config().models if m.model_id == held.model_id), None)
+        return current is not None and current is not held and not same_command(held, current)
 
     def leaving_models(self) -> Tuple[ModelConfig, ...]:
         """Models a reload removed whose requests still run or wait here

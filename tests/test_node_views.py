@@ -114,7 +114,7 @@ class ReportingTests(SynchronousTestCase):
         expected_keys = {"ref", "device", "state", "model", "port", "pid", "in_flight", "queued",
                          "pending_limit", "restarts", "metrics", "last_error", "last_error_code", "warnings", "backoff",
                          "slots_total", "slots_busy", "slots_free", "queue_depth", "tokens_per_s", "issues", "load",
-                         "slots", "throughput", "group", "prompt_tokens"}
+                         "slots", "throughput", "group", "stale", "prompt_tokens"}
         self.assertEqual(set(gpu0), expected_keys)
         self.assertEqual(set(gpu1), expected_keys)
         self.assertEqual(gpu0["ref"]["name"], "gpu:0")

@@ -339,6 +339,8 @@ class ReloadTests(ServiceTestCase):
         self.write(models=[{"model_id": "a", "ctx_size": 2048}, {"model_id": "b", "roles": ["chat"]}])
         code, body = self.reload(self.h)
         self.assertEqual(body["models"]["restart_on_next_use"], ["a"])
+        stale = [d["stale"] for d in self.h.root.node.inventory()["devices"]]
+        self.assertEqual(stale, [True], "the child runs a command the config no longer has")
         # A second request for it waits: the old child keeps serving the first.
         waiting: List[Any] = []
         self.h.root.node.acquire(self.h.root.config.model("a")).addBoth(waiting.append)
@@ -351,6 +353,7 @@ class ReloadTests(ServiceTestCase):
         self.assertTrue(waiting and isinstance(waiting[0], Lease), waiting)
         new_child = self.h.live_children()[0]
         self.assertIn("2048", new_child.argv)
+        self.assertEqual([d["stale"] for d in self.h.root.node.inventory()["devices"]], [False])
         waiting[0].release()
 
     def test_a_changed_idle_unload_s_applies_to_the_running_countdown(self) -> None:
