@@ -5,11 +5,12 @@ Every byte a client sends is parsed by llhttp (``httptools``, what uvicorn
 uses: Node.js's parser, maintained and fuzzed by others), and every head is
 checked against :mod:`rolemesh.request_head` and the API's
 :class:`~rolemesh.interfaces.HeadPolicy` before a byte of its body is kept:
-malformed or ambiguous framing is a 400 (or 431, 417, 505) and a
+malformed or ambiguous framing is a 400 (or 431, 417, 501, 505) and a
 close; a request without a valid key, for no route, or with a body over the
-limit is answered (401, 404, 413) from its head, and when a body would
-follow, the connection closes without reading it.  So no unauthenticated
-body is held, and no two parsers can disagree on where a request ends.
+limit is answered (401, 404, 413) from its head, and when a body follows,
+it is read and dropped within bounds (:mod:`rolemesh.lingering`), then the
+connection closes.  So no unauthenticated body is held, and no two parsers
+can disagree on where a request ends.
 
 What passes is served in order, one answer at a time, in a loop (never by
 recursion):
@@ -67,7 +68,7 @@ from twisted.python.failure import Failure
 from twisted.web.http import RESPONSES, HTTPChannel, datetimeToString
 from zope.interface import alsoProvides, implementer
 
-from rolemesh import request_head
+from rolemesh import lingering, request_head
 from rolemesh.errors import ApiError, answer_headers
 from rolemesh.event_loop.twisted_compat import write_now
 from rolemesh.interfaces import ChannelSite
@@ -95,6 +96,8 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"expect", b"upgrade"})
 #: The header names the head rules look at.
 _NOTED = frozenset({b"host", b"expect", b"content-length", b"transfer-encoding"})
+#: The headers whose bytes must be UTF-8 (request_head.READ_FIELDS).
+_READ = request_head.READ_FIELDS
 #: Bytes read while a head is incomplete, at most: llhttp hands a header
 #: line over only once it is whole, and httptools holds it meanwhile, so a
 #: head line without end is cut off here (a whole head is at most
@@ -185,7 +188,7 @@ class _Incoming:
     answers it."""
 
     __slots__ = ("method", "target", "version", "headers", "raw", "body", "keep_alive", "refusal", "framed",
-                 "size")
+                 "size", "seq")
 
     def __init__(self) -> None:
         self.method = b""
@@ -202,6 +205,8 @@ class _Incoming:
         #: It had a Content-Length or a transfer coding.
         self.framed = False
         self.size = 0
+        #: Its number on the connection, from 0 (see request_head.RequestLines).
+        self.seq = -1
 
 
 class FastRequest:
@@ -336,6 +341,10 @@ class _Refused(Exception):
         self.error = error
 
 
+class _BodyDropped(Exception):
+    """Raised in a parser callback: the refused request's body has ended; read nothing more."""
+
+
 class _BridgeTransport:
     """What the twisted.web channel behind a :class:`FastChannel` writes to:
     the client's transport, except that producers go to the fast channel
@@ -394,12 +403,13 @@ class FastChannel(Protocol):
     (``(method, path)`` -> route) itself and the rest through the
     twisted.web channel ``make_bridge()`` builds."""
 
-    # About 400 lines, over the ~350 bar, for a reason: this is the one object
+    # About 530 lines, over the ~350 bar, for a reason: this is the one object
     # per connection on the hottest path (every request's bytes pass through
     # it), and it is llhttp's callback target: the parse callbacks, the
     # pipelining queue and the producer methods share its attributes, and a
     # split would put a call and an attribute hop on each callback.  What is
-    # not per-byte lives elsewhere: the head rules (request_head.py), the
+    # not per-byte lives elsewhere: the head rules and the request-line
+    # finder (request_head.py), the lingering bounds (lingering.py), the
     # twisted.web fallback (BridgeChannel) and the response framing
     # (ResponseHeaders, HttpDate).
 
@@ -422,9 +432,19 @@ class FastChannel(Protocol):
         self._head_size = 0
         self._hosts = 0
         self._expect: Optional[bytes] = None
-        #: The Transfer-Encoding lines' values, joined; whether a Host has bytes beyond ASCII.
+        #: The Transfer-Encoding lines' values, joined; the answer to a read header that is no UTF-8.
         self._codings: Optional[bytes] = None
-        self._bad_host = False
+        self._bad_field: Optional[ApiError] = None
+        #: Where each request line is, to check it (llhttp skips extra spaces in it).
+        self._lines = request_head.RequestLines()
+        self._framings: Deque[int] = deque()
+        self._seq = 0
+        #: The parser is between requests (at the start: before the first).
+        self._between = True
+        #: A refused request's body being read and dropped (lingering.py), and
+        #: whether its answer is written (then it closes when that ends).
+        self._linger: Optional[lingering.Linger] = None
+        self._linger_closes = False
         self._parts: List[bytes] = []
         self._size = 0
         #: Parsed requests waiting for their turn, and their bytes.
@@ -460,7 +480,7 @@ class FastChannel(Protocol):
         return min(limits) if limits else None
 
     def _wait_for_request(self) -> None:
-        if self._waiting_since is not None:
+        if self._waiting_since is not None or self._linger is not None:
             return
         self._waiting_since = self._reactor.seconds()
         limit = self._limit_s
@@ -501,13 +521,22 @@ class FastChannel(Protocol):
         return self.site.http_date()
 
     def dataReceived(self, data: bytes) -> None:  # noqa: N802 - Twisted's name
+        if self._linger is not None:
+            self._drop(data)
+            return
         if self._stopped:
             return
+        if self._between:
+            self._lines.resync(self._seq)
+            self._framings.clear()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as e:
             cause = e.__context__
-            self._stop(cause.error if isinstance(cause, _Refused) else request_head.malformed(str(cause)))
+            if self._linger is not None or isinstance(cause, _BodyDropped):
+                self._end_linger()
+            else:
+                self._stop(cause.error if isinstance(cause, _Refused) else request_head.malformed(str(cause)))
         except httptools.HttpParserUpgrade:
             # CONNECT, or an Upgrade the agent does not take: the request is
             # answered (CONNECT with a 405) and nothing after it is read.
@@ -521,8 +550,14 @@ class FastChannel(Protocol):
         except httptools.HttpParserInvalidMethodError:
             self._stop(request_head.unknown_method())
         except httptools.HttpParserError as e:
-            self._stop(request_head.malformed(str(e)))
-        if self._in_head and not self._stopped:
+            if self._linger is not None:
+                self._end_linger()
+            else:
+                self._stop(request_head.malformed(str(e)))
+        bad = self._lines.feed(data, self._framings)  # even if the parser stopped: that may be after it
+        if bad is not None:
+            self._refuse_line(bad)
+        if self._in_head and not self._stopped and self._linger is None:
             self._head_read += len(data)
             if self._head_read > _HEAD_READ_LIMIT:
                 self._stop(request_head.head_too_large())
@@ -530,15 +565,68 @@ class FastChannel(Protocol):
             self._pause_reading(_QUEUE_FULL)
         self._pump()
 
-    def _stop(self, error: ApiError) -> None:
+    def _stop(self, error: ApiError, refused: Optional[_Incoming] = None) -> None:
         """Answer ``error`` after what is queued, read nothing more, then close."""
-        refused = self._incoming if self._head_done else _Incoming()
+        if refused is None:
+            refused = self._incoming if self._head_done else _Incoming()
+            if refused is not self._incoming:
+                refused.seq = self._seq if self._between else self._incoming.seq
         refused.refusal = error
         refused.keep_alive = False
         self._queue.append(refused)
         self._stopped = True
         self._continue_owed = False
         self._pause_reading(_STOPPED)  # the rest of a refused body is not even read off the socket
+
+    def _refuse_line(self, seq: int) -> None:
+        """Request ``seq`` (parsed in this read, not answered yet) has a
+        request line of more than one space between its parts: it and what
+        follows it are answered 400 instead."""
+        queue = self._queue
+        if seq >= self._seq or any(not q.keep_alive for q in queue if q.seq < seq):
+            return  # the parser stopped before it, or the connection closes before it
+        if self._linger is not None:  # for a request after it
+            self._linger.cancel()
+            self._linger = None
+        refused: Optional[_Incoming] = None
+        while queue and queue[-1].seq >= seq:
+            refused = queue.pop()
+            self._queued_bytes -= refused.size
+        if refused is None or refused.seq != seq:
+            refused = self._incoming if self._incoming.seq == seq and self._head_done else _Incoming()
+        self._stop(request_head.spaced_request_line(), refused)
+
+    def _start_linger(self, error: ApiError) -> None:
+        """Answer ``error`` (decided from the head) after what is queued, and
+        read and drop the body meanwhile, within bounds (lingering.py)."""
+        refused = self._incoming
+        refused.refusal = error
+        refused.keep_alive = False
+        self._queue.append(refused)
+        self._continue_owed = False
+        self._linger = lingering.Linger(self._reactor, self._end_linger, lingering.max_bytes(self._limit_bytes))
+
+    def _drop(self, data: bytes) -> None:
+        """Bytes of a refused body: through llhttp (to know where it ends), then dropped."""
+        assert self._linger is not None
+        if self._linger.read(len(data)):
+            self._end_linger()
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError:  # its end (_BodyDropped), or bytes that are no body: enough
+            self._end_linger()
+
+    def _end_linger(self) -> None:
+        """Read nothing more; close once the refusal is written (now, if it is)."""
+        linger, self._linger = self._linger, None
+        if linger is None:
+            return
+        linger.cancel()
+        self._stopped = True
+        self._pause_reading(_STOPPED)
+        if self._linger_closes:
+            self.close()
 
     # -- llhttp's callbacks: one request at a time ----------------------------
 
@@ -549,9 +637,12 @@ class FastChannel(Protocol):
         self._hosts = 0
         self._expect = None
         self._codings = None
-        self._bad_host = False
+        self._bad_field = None
         self._parts = []
         self._size = 0
+        self._incoming.seq = self._seq
+        self._seq += 1
+        self._between = False
 
     def on_url(self, url: bytes) -> None:
         incoming = self._incoming
@@ -568,11 +659,11 @@ class FastChannel(Protocol):
         if len(raw) > request_head.MAX_HEADERS or self._head_size > request_head.MAX_HEAD_BYTES:
             raise _Refused(request_head.head_too_large())
         key = name.lower()
+        if not value.isascii() and key in _READ and self._bad_field is None:
+            self._bad_field = request_head.field_error(name, value)
         if key in _NOTED:
             if key == b"host":
                 self._hosts += 1
-                if not value.isascii():
-                    self._bad_host = True
             elif key == b"expect":
                 self._expect = value
             else:
@@ -596,16 +687,15 @@ class FastChannel(Protocol):
             error = request_head.head_error(incoming.version, self._hosts, self._expect)
             if error is not None:
                 raise _Refused(error)
-        if self._bad_host:
-            error = request_head.host_error(headers[b"host"])
-            if error is not None:
-                raise _Refused(error)
+        if self._bad_field is not None:
+            raise _Refused(self._bad_field)
         if self._codings is not None:
             error = request_head.coding_error(self._codings)
             if error is not None:
                 raise _Refused(error)
         chunked = b"transfer-encoding" in headers
         length = None if chunked else int(headers.get(b"content-length", b"0"))
+        self._framings.append(-1 if length is None else length)
         body_follows = chunked or bool(length)
         limit = self._limit_bytes
         if limit is not None and length is not None and length > limit:
@@ -613,20 +703,30 @@ class FastChannel(Protocol):
         elif self._policy is not None:
             error = self._policy.refuse_head(incoming.method, incoming.target.partition(b"?")[0], headers)
         if error is not None:
-            if body_follows:  # not read: answered from the head, and the connection closes
+            if body_follows and self._expect is not None:  # the client waits: it sends no body, and it closes
                 raise _Refused(error)
+            if body_follows:  # answered from the head; the body is dropped as it comes, then it closes
+                self._start_linger(error)
+                return
             incoming.refusal = error  # nothing follows: answered in turn, the connection stays
         elif body_follows and self._expect is not None:
             self._continue_owed = True
 
     def on_body(self, body: bytes) -> None:
+        if self._linger is not None:
+            return  # a refused body: dropped
         self._size += len(body)
         limit = self._limit_bytes
         if limit is not None and self._size > limit:
-            raise _Refused(request_head.body_too_large(limit))
+            self._parts = []
+            self._start_linger(request_head.body_too_large(limit))
+            return
         self._parts.append(body)
 
     def on_message_complete(self) -> None:
+        self._between = True
+        if self._linger is not None:
+            raise _BodyDropped()
         incoming = self._incoming
         parts = self._parts
         if parts:
@@ -731,6 +831,9 @@ class FastChannel(Protocol):
         self._current = None
         self._answer_producer = None
         if self._last:
+            if self._linger is not None:  # its body still comes: closed when that ends
+                self._linger_closes = True
+                return
             self.close()
             return
         self._pump()
@@ -816,6 +919,9 @@ class FastChannel(Protocol):
         self._closed = True
         self._stopped = True
         self._cancel_deadline()
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         self.site.open_connections -= 1
         self._queue.clear()
         if self._bridge is not None:

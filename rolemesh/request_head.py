@@ -1,4 +1,4 @@
-"""What a request head must be, beyond what the HTTP parser checks (pure).
+"""What a request head must be, beyond what the HTTP parser checks (pure: no I/O).
 
 The listener parses with llhttp (through ``httptools``: Node.js's parser,
 maintained and fuzzed by others), which already refuses a bare LF, a lone
@@ -14,7 +14,7 @@ their RFC sections.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Deque, Optional
 
 from rolemesh.errors import ApiError
 
@@ -80,15 +80,122 @@ def coding_error(codings: bytes) -> Optional[ApiError]:
                     "invalid_request_error", "not_implemented")
 
 
-def host_error(host: bytes) -> Optional[ApiError]:
-    """400 for a ``Host`` that is not text (bytes that are no UTF-8), as twisted.web refuses it, or None."""
-    if host.isascii():
+#: The headers the node reads (compares, decodes, parses or echoes): bytes
+#: that are no UTF-8 in any of them are a 400 from the head, on every path
+#: (twisted.web refuses such a Host itself).  Headers only passed on to a
+#: child (``Accept``, ``Range``, ...) are not read, and may carry any
+#: bytes RFC 9110 allows.  tests/test_fast_channel.py checks that every
+#: header rolemesh/ asks for by name is here.
+READ_FIELDS = frozenset({
+    b"host", b"authorization", b"x-api-key", b"content-type", b"origin", b"access-control-request-headers",
+    b"access-control-request-method", b"x-rolemesh-tenant", b"x-rolemesh-priority", b"x-request-id",
+    b"x-conversation-id",
+})
+
+
+def field_error(name: bytes, value: bytes) -> Optional[ApiError]:
+    """400 for a header of :data:`READ_FIELDS` whose bytes are no UTF-8, or None."""
+    if value.isascii():
         return None
     try:
-        host.decode("utf-8")
+        value.decode("utf-8")
     except UnicodeDecodeError:
-        return malformed("the Host header is not UTF-8")
+        return malformed(f"the {name.decode('ascii', 'replace')[:64]} header is not UTF-8")
     return None
+
+
+def request_line_error(line: bytes) -> Optional[ApiError]:
+    """400 for a request line (CRLF left out) that is not ``method SP
+    target SP version`` with one space each (RFC 9112 §3), or None.  llhttp
+    skips a run of spaces, and refuses every other byte out of place."""
+    return None if line.count(b" ") == 2 else spaced_request_line()
+
+
+def spaced_request_line() -> ApiError:
+    return malformed("the request line must be method, target and version with one space between each")
+
+
+_LINE, _HEAD, _BODY, _LOST = range(4)
+
+
+class RequestLines:
+    """Finds the request line of each request in the bytes the parser was
+    fed, since llhttp says nowhere where one begins, and tells which breaks
+    :func:`request_line_error`.
+
+    It follows what llhttp already framed: a request begins after the
+    empty lines before it, its head ends at the first empty line, and its
+    body is the ``Content-Length`` llhttp found (given per request, in
+    order, as ``framings``; -1 for chunked).  After a chunked body it does
+    not know where the next request begins until the parser is between
+    requests at the start of a read (:meth:`resync`); those lines go
+    unchecked (llhttp still reads them as they are meant).  ``seq``: the
+    number (from 0) of the request whose line comes next.
+    """
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self._state = _LINE
+        self._held = b""  # _LINE: the line so far; _HEAD: the last bytes read (at most 3)
+        self._left = 0  # _BODY: its bytes still to come
+
+    def resync(self, seq: int) -> None:
+        """The parser is between requests: the next byte begins request ``seq``'s line."""
+        self.seq = seq
+        self._state = _LINE
+        self._held = b""
+
+    def feed(self, data: bytes, framings: "Deque[int]") -> Optional[int]:
+        """The number of the first request in ``data`` whose line is refused, or None."""
+        pos, size = 0, len(data)
+        while pos < size:
+            state = self._state
+            if state == _LINE:
+                if not self._held:
+                    while pos < size and data[pos] in b"\r\n":
+                        pos += 1
+                    if pos == size:
+                        return None
+                end = data.find(b"\n", pos)
+                if end < 0:
+                    self._held += data[pos:]
+                    if len(self._held) > MAX_HEAD_BYTES:
+                        self._state = _LOST  # the parser refuses it (431)
+                    return None
+                line, self._held = self._held + data[pos:end], b"\r\n"
+                if request_line_error(line.rstrip(b"\r")) is not None:
+                    return self.seq
+                self._state, pos = _HEAD, end + 1
+            elif state == _HEAD:
+                end = -1
+                if self._held:
+                    joined = self._held + data[pos:pos + 3]
+                    found = joined.find(b"\r\n\r\n")
+                    if found >= 0:
+                        end = pos + found + 4 - len(self._held)
+                if end < 0:
+                    found = data.find(b"\r\n\r\n", pos)
+                    if found < 0:
+                        self._held = (self._held + data[pos:])[-3:]
+                        return None
+                    end = found + 4
+                pos, self._held, self.seq = end, b"", self.seq + 1
+                length = framings.popleft() if framings else -1
+                if length < 0:
+                    self._state = _LOST
+                    return None
+                self._state, self._left = _BODY, length
+            elif state == _BODY:
+                step = min(self._left, size - pos)
+                pos += step
+                self._left -= step
+                if not self._left:
+                    self._state = _LINE
+            else:
+                return None
+        if self._state == _BODY and not self._left:
+            self._state = _LINE
+        return None
 
 
 #: Heads the parser must refuse (httptools before 0.6.3 bundles an llhttp
@@ -128,6 +235,6 @@ def lax_parser() -> Optional[str]:
     return None
 
 
-__all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "MUST_REFUSE", "VERSIONS", "body_too_large", "coding_error",
-           "head_error", "host_error",
-           "head_too_large", "lax_parser", "malformed", "unknown_method"]
+__all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "MUST_REFUSE", "READ_FIELDS", "VERSIONS", "RequestLines", "body_too_large",
+           "coding_error", "field_error", "head_error", "head_too_large", "lax_parser", "malformed",
+           "request_line_error", "spaced_request_line", "unknown_method"]

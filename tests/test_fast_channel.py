@@ -211,9 +211,12 @@ class ChannelTests(SynchronousTestCase):
         self.assertEqual(self.transport.value().count(b"HTTP/1.1 200 OK"), 300)
         self.assertFalse(self.transport.disconnecting)
 
-    def test_a_refusal_behind_an_answer_stops_reading_until_its_turn(self) -> None:
+    def test_a_refusal_behind_an_answer_drops_its_body_and_closes_in_its_turn(self) -> None:
         self.channel.dataReceived(post() + b"POST /fast HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n")
-        self.assertEqual(self.transport.producerState, "paused", "the refused body is not read meanwhile")
+        self.channel.dataReceived(b"x" * 5000)  # read and dropped meanwhile (lingering.py)
+        self.assertEqual(self.channel._parts, [])
+        self.assertEqual(self.transport.producerState, "paused", "its body is over: nothing more is read")
+        self.assertNotIn(b"413", self.transport.value())
         self.route.results[0].callback(b"one")
         self.assertIn(b"HTTP/1.1 413 ", self.transport.value())
         self.assertTrue(self.transport.disconnecting)

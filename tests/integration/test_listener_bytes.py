@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from rolemesh.request_head import READ_FIELDS
 from tests.integration.harness import AgentProcess, require_llama_server, tiny_model
 from tests.integration.raw_http import Answers, exchange, final
 
@@ -158,12 +159,29 @@ class ListenerBytesTests(SynchronousTestCase):
             self.assert_refused(b"GET /v1/models HTTP/1.1\r\nHost: " + host + b"\r\n" + AUTH + b"\r\n")
         self.assertEqual(final(self.send(b"GET /health HTTP/1.1\r\nHost: n\xc3\xa9\r\n\r\n", limit=1)), [200])
 
-    def test_bytes_that_are_no_utf8_in_the_headers_the_node_reads_are_4xx_never_5xx(self) -> None:
-        for name in (b"Authorization", b"X-Api-Key", b"X-RoleMesh-Tenant", b"X-RoleMesh-Priority", b"X-Request-Id",
-                     b"X-Conversation-Id", b"Origin", b"Content-Type"):
-            answers = self.send(post(extra=AUTH + name + b": \xff\xfe\r\n") if name != b"Authorization" else
-                                post(extra=name + b": Bearer \xff\xfe\r\n"), limit=1)
-            self.assertTrue(final(answers) and final(answers)[0] < 500, (name, answers))
+    def test_bytes_that_are_no_utf8_in_the_headers_the_node_reads_are_400(self) -> None:
+        """The same answer on every path and route, from the head: 400 naming the header, then a close."""
+        for name in sorted(READ_FIELDS - {b"host"}) + [b"Authorization", b"X-RoleMesh-Tenant", b"Origin"]:
+            value = b"Bearer \xff\xfe" if name.lower() == b"authorization" else b"\xff\xfe"
+            extra = (b"" if name.lower() == b"authorization" else AUTH) + name + b": " + value + b"\r\n"
+            for data in (post(extra=extra), post(b"/v1/messages", extra=extra),
+                         b"GET /v1/node/inventory HTTP/1.1\r\nHost: x\r\n" + extra + b"\r\n"):
+                answers = self.send(data, limit=5)
+                self.assertEqual(final(answers), [400], (name, answers))
+                self.assertTrue(answers.closed, answers)
+                self.assertIn(b"the " + name + b" header is not UTF-8", answers.raw)
+        self.assertEqual(final(self.send(post(extra=AUTH + b"X-Request-Id: caf\xc3\xa9\r\n"), expect=1, limit=30)),
+                         [200], "UTF-8 beyond ASCII is no error")
+
+    def test_more_than_one_space_in_the_request_line_is_400(self) -> None:
+        """RFC 9112 §3: method SP target SP version, one space each."""
+        for line in (b"GET  /v1/models HTTP/1.1", b"GET /v1/models  HTTP/1.1", b"GET  /health  HTTP/1.1",
+                     b"POST  /v1/chat/completions HTTP/1.1", b"GET  /v1/node/inventory HTTP/1.1"):
+            self.assert_refused(line + b"\r\nHost: x\r\n" + AUTH + b"\r\n")
+            answers = self.send(health() + line + b"\r\nHost: x\r\n" + AUTH + b"\r\n" + health(), limit=5)
+            self.assertEqual(final(answers), [200, 400], answers)
+            self.assertTrue(answers.closed, answers)
+        self.assertIn(b'"code": "bad_request"', self.send(b"GET  /v1/models HTTP/1.1\r\nHost: x\r\n\r\n").raw)
 
     def test_host_must_be_there_once(self) -> None:
         """RFC 9112 §3.2."""
@@ -202,15 +220,18 @@ class ListenerBytesTests(SynchronousTestCase):
             sock.close()
 
     def test_refused_heads_are_answered_without_their_body(self) -> None:
+        """Answered before a byte of the body is sent; the body is then read
+        and dropped (lingering.py), and once it is all sent the connection closes."""
         for extra, path, status in ((b"", b"/v1/chat/completions", 401),  # no key
                                     (AUTH, b"/v1/nowhere", 404),  # no route
                                     (b"", b"/v1/nowhere", 401)):  # no key says nothing of routes
-            sock = socket.create_connection(("127.0.0.1", self.agent.port), timeout=5)
+            sock = socket.create_connection(("127.0.0.1", self.agent.port), timeout=10)
             try:
                 sock.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\n" + extra + b"Content-Length: 8000000\r\n\r\n")
                 answer = sock.recv(4096)  # no byte of the body sent
                 self.assertTrue(answer.startswith(b"HTTP/1.1 %d " % status), answer)
                 self.assertIn(b"Connection: close", answer)
+                sock.sendall(b"x" * 8000000)
                 self.assertEqual(sock.recv(4096), b"", "then it closes")
             finally:
                 sock.close()
