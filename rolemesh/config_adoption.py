@@ -60,6 +60,8 @@ class ConfigAdoption:
             new = current.get(held.model_id)
             if new is not None and not needs_new_child(held, new):
                 supervisor.model = new  # same command line: the running child serves it as is
+            elif new is not None:
+                scheduler.supersede(name, held.model_id)  # what it admitted finishes on it; then one restart
             elif scheduler.devices[name].model == held.model_id:
                 scheduler.model_unloaded(name, held.model_id)
             if scheduler.is_idle(name) and not self.retire_if_removed(name):

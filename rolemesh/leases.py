@@ -25,7 +25,7 @@ from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.fairqueue import DEFAULT_SHARE, Share
 from rolemesh.scheduler import UNLOAD, Scheduler, Ticket
-from rolemesh.supervisor import ChildEndpoint, DeviceSupervisor
+from rolemesh.supervisor import READY, STARTING, ChildEndpoint, DeviceSupervisor
 
 log = Logger()
 
@@ -170,10 +170,16 @@ class LeaseStarts(UsesReactor[IReactorTime]):
             return
         supervisor = self._supervisors[ticket.device]  # type: ignore[index]
         self._started(supervisor.name, request.model, self.reactor.seconds() - request.queued_at, request.share)
+        model = request.model
+        if ticket.model_id != model.model_id and not (supervisor.state in (STARTING, READY)
+                                                       and supervisor.model == model):
+            # Admitted under a record a reload replaced, and its child is gone
+            # (crashed, say): never start the replaced command again.
+            model = next((m for m in self._config().models if m.model_id == model.model_id), model)
         if not ticket.evict:
-            endpoint = supervisor.serving(request.model)
+            endpoint = supervisor.serving(model)
             if endpoint is not None:  # nearly every request: the child is ready, no Deferred to wait on
-                lease = Lease(ticket, endpoint, supervisor, self.release, model=request.model)
+                lease = Lease(ticket, endpoint, supervisor, self.release, model=model)
                 if request.result.called:  # cancelled meanwhile
                     lease.release()
                 else:
@@ -183,24 +189,24 @@ class LeaseStarts(UsesReactor[IReactorTime]):
         def load(result: Any) -> Any:
             if request.cancelled or request.result.called:  # gone while the evicted children stopped
                 return Failure(defer.CancelledError())
-            return supervisor.ensure(request.model)
+            return supervisor.ensure(model)
 
-        request.loading = evicting.addBoth(load) if evicting is not None else supervisor.ensure(request.model)
+        request.loading = evicting.addBoth(load) if evicting is not None else supervisor.ensure(model)
 
         def ready(endpoint: ChildEndpoint) -> None:
-            lease = Lease(ticket, endpoint, supervisor, self.release, model=request.model)
+            lease = Lease(ticket, endpoint, supervisor, self.release, model=model)
             if request.result.called:  # cancelled meanwhile
                 lease.release()
             else:
                 request.result.callback(lease)
 
         def failed(f: Failure) -> None:
-            if supervisor.loading_or_loaded != request.model.model_id:
+            if supervisor.loading_or_loaded != model.model_id or ticket.model_id != model.model_id:
                 # Refused or failed: the device does not hold the model the
                 # ticket booked, so the next request for another is no switch
                 # behind it (a stale booking let the failing model's queued
                 # requests overtake every other model's).
-                self._scheduler.model_unloaded(supervisor.name, request.model.model_id)
+                self._scheduler.model_unloaded(supervisor.name, ticket.model_id)
             self._scheduler.finish(ticket)
             self._quiet(supervisor.name)
             if not request.result.called:

@@ -21,7 +21,7 @@ from rolemesh.prefix import PrefixMemory
 from rolemesh.prompt_cache import PromptCacheTally
 from rolemesh.reload import leaving
 from rolemesh.restart_policy import same_command
-from rolemesh.scheduler import Scheduler
+from rolemesh.scheduler import Scheduler, superseded
 from rolemesh.supervisor import STARTING, DeviceSupervisor
 from rolemesh.telemetry import ChildTelemetry, device_issues, load_progress
 
@@ -117,7 +117,7 @@ class NodeViews(UsesReactor[IReactorTime]):
                 request = ticket.context
                 if isinstance(request, Acquisition):
                     pending.append(request.model)
-                elif held is not None and ticket.model_id == held.model_id:
+                elif held is not None and ticket.model_id in (held.model_id, superseded(held.model_id)):
                     pending.append(held)  # admitted at once (lease_now) on the child of this record
         return leaving(self._config(), pending)
 

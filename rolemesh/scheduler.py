@@ -98,6 +98,12 @@ CANCELLED = TicketState.CANCELLED
 UNLOAD = ""
 
 
+def superseded(model_id: str) -> str:
+    """The key the requests and the child of a record a reload replaced are
+    booked under (:meth:`Scheduler.supersede`): no request names it."""
+    return model_id + "\x00superseded"
+
+
 class QueueFull(Exception):
     """Every eligible device already holds its limit of pending requests."""
 
@@ -441,6 +447,20 @@ class Scheduler:
         if book.model != model_id and all(t.model_id == model_id for t in book.running):
             book.model, book.slots = model_id, max(1, slots)
             self._settle(book)
+
+    def supersede(self, device: str, model_id: str) -> None:
+        """A reload changed ``model_id``'s command while ``device`` holds it:
+        the child and the requests it admitted here (running and queued)
+        keep the old record, booked as :func:`superseded`; requests for the
+        new record are another model -- they wait for those, then switch the
+        device once."""
+        book, key = self.devices[device], superseded(model_id)
+        for ticket in (*book.running, *book.queue):
+            if ticket.model_id == model_id:
+                ticket.model_id = key
+        if book.model == model_id:
+            book.model = key
+        self._settle(book)
 
     def model_unloaded(self, device: str, model_id: str) -> None:
         """The device's child for ``model_id`` is gone (crash, unload)."""

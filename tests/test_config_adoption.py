@@ -13,7 +13,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.config_adoption import ConfigAdoption
 from rolemesh.prefix import PrefixMemory
-from rolemesh.scheduler import Scheduler
+from rolemesh.scheduler import Scheduler, superseded
 from tests.fakes import make_config
 
 
@@ -67,7 +67,7 @@ class ConfigAdoptionTests(SynchronousTestCase):
 
     def test_a_changed_command_is_unbooked_and_keeps_running_until_asked(self) -> None:
         self.adopt(make_config([{"model_id": "a", "ctx_size": 512}, {"model_id": "b"}]))
-        self.assertIsNone(self.scheduler.devices["gpu:0"].model, "the next request for a is a switch")
+        self.assertEqual(self.scheduler.devices["gpu:0"].model, superseded("a"), "the next request for a is a switch")
         self.assertEqual(self.sups["gpu:0"].stops, 0, "its child stops when the switch comes")
         self.assertEqual(self.scheduler.devices["gpu:1"].model, "b")
 

@@ -391,6 +391,55 @@ class ReloadTests(ServiceTestCase):
         self.assertIn("1024", h.live_children()[0].argv)
         second[0].release()
 
+    def test_requests_admitted_before_a_changed_command_finish_on_its_child_then_one_restart(self) -> None:
+        """Issue 39 item 3: two running and one queued under ctx 512; the reload makes it 1024; a new
+        request arrives.  The queued old one runs on the old child, the new one waits for all three,
+        and the device restarts once, to the new command."""
+        old_model = {"model_id": "p", "ctx_size": 512, "server_args": {"parallel": 2}}
+        h = self.harness(base(models=[old_model], max_pending_requests_per_device=8))
+        h.start()
+        running = [self.acquire(h, "p"), self.acquire(h, "p")]
+        queued: List[Any] = []
+        h.root.node.acquire(h.root.config.model("p")).addBoth(queued.append)
+        old_child = h.live_children()[0]
+        h.write(base(models=[dict(old_model, ctx_size=1024)], max_pending_requests_per_device=8))
+        self.assertEqual(self.reload(h)[1]["models"]["restart_on_next_use"], ["p"])
+        new: List[Any] = []
+        h.root.node.acquire(h.root.config.model("p")).addBoth(new.append)
+        running.pop(0).release()
+        self.assertTrue(queued and isinstance(queued[0], Lease), "the queued old request runs on the old child")
+        self.assertIs(queued[0].endpoint.pid, old_child.pid)
+        self.assertEqual((new, old_child.signals), ([], []), "the new one waits; nothing restarts under them")
+        running.pop().release()
+        self.assertEqual(old_child.signals, [])
+        queued[0].release()
+        self.assertEqual(old_child.signals, [signal.SIGTERM], "one restart, once the old ones are done")
+        old_child.exit(0)
+        h.answer("p")
+        self.assertTrue(new and isinstance(new[0], Lease), new)
+        (child,) = h.live_children()
+        self.assertIn("1024", child.argv)
+        self.assertEqual([d["stale"] for d in h.root.node.inventory()["devices"]], [False])
+        self.assertEqual(len(h.reactor.processes), 2, "two children in all: the old and the new")
+        new[0].release()
+
+    def test_a_request_admitted_under_the_old_command_never_starts_it_again(self) -> None:
+        """The old child crashes before the queued old request's turn: it loads the current command."""
+        h = self.harness(base(models=[{"model_id": "p", "ctx_size": 512}], max_pending_requests_per_device=8))
+        h.start()
+        first = self.acquire(h, "p")
+        queued: List[Any] = []
+        h.root.node.acquire(h.root.config.model("p")).addBoth(queued.append)
+        old_child = h.live_children()[0]
+        h.write(base(models=[{"model_id": "p", "ctx_size": 1024}], max_pending_requests_per_device=8))
+        self.reload(h)
+        old_child.exit(signal=signal.SIGKILL)
+        first.release()
+        h.answer("p")
+        self.assertTrue(queued and isinstance(queued[0], Lease), queued)
+        self.assertIn("1024", h.live_children()[0].argv)
+        queued[0].release()
+
     def test_changed_while_loading_the_old_load_serves_its_request_only(self) -> None:
         h = self.harness(base(models=[{"model_id": "p", "server_args": {"parallel": 2}}]))
         h.start()

@@ -498,3 +498,49 @@ class ReloadCutOverTests(FaultTestCase):
         self.assertEqual(self.chat(agent)[0], 200)  # and nothing backs the model off afterwards
         self.assertEqual(self.device(agent)["backoff"], [])
         self.stop_and_assert_no_orphans(agent)
+
+    def test_streams_admitted_before_a_changed_ctx_size_finish_then_one_restart(self) -> None:
+        """Item 3: parallel 2, two streams running and one queued; a reload makes ctx_size 512 -> 1024
+        and a new request comes. Every stream ends with [DONE], the child afterwards has --ctx-size
+        1024, and the device restarted once."""
+        config = self.fake_config(max_pending_requests_per_device=8)
+        config["models"][0].update({"ctx_size": 512, "server_args": {"parallel": 2}})
+        agent = self.start_agent(config, env={"FAKE_LLAMA": "slow_tokens=0.1"})
+        self.assert_chat_ok(agent)
+        before = self.device(agent)
+
+        def loads() -> int:
+            return agent.log_text().count("llama-server for m ready on cpu:0")
+
+        loaded = loads()
+
+        def stream() -> List[str]:
+            conn = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=REQUEST_TIMEOUT)
+            try:
+                conn.request("POST", "/v1/chat/completions", json.dumps({**CHAT, "stream": True, "max_tokens": 15}),
+                             {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                return [str(response.status), *read_sse(response.read())]
+            finally:
+                conn.close()
+
+        old = [self.in_thread(stream) for _ in range(3)]
+        wait_until(lambda: (self.device(agent)["in_flight"], self.device(agent)["queued"]) == (2, 1), 10,
+                   interval=0.02, what="two streams running and one queued")
+        with open(agent.config_path, encoding="utf-8") as f:
+            text = f.read()
+        with open(agent.config_path, "w", encoding="utf-8") as f:
+            f.write(text.replace("ctx_size: 512", "ctx_size: 1024"))
+        status, _, body = agent.request("POST", "/v1/node/reload", timeout=30)
+        self.assertEqual(json.loads(body)["models"]["restart_on_next_use"], ["m"], body)
+        self.assertTrue(self.device(agent)["stale"])
+        self.assert_chat_ok(agent)  # the new request: waits for the three, then one restart
+        for thread, result in old:
+            events = self.joined(thread, result)
+            self.assertEqual((events[0], events[-1]), ("200", "[DONE]"), events[-3:])
+            self.assertFalse(any('"error"' in e for e in events), events)
+        after = self.device(agent)
+        self.assertEqual((loads() - loaded, after["pid"] != before["pid"]), (1, True), "one restart")
+        self.assertFalse(after["stale"])
+        self.assertIn("--ctx-size 1024", self.child_argv(agent))
+        self.stop_and_assert_no_orphans(agent)
