@@ -7,7 +7,7 @@ through a callable, so it always sees the one the node holds.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from twisted.logger import Logger
 
@@ -46,8 +46,15 @@ class ConfigAdoption:
         #: device -> (config, model) that retire_if_removed found still wanted.
         self._kept: Dict[str, Tuple[NodeConfig, str]] = {}
 
-    def adopt(self, config: NodeConfig) -> None:
-        """The node now holds ``config`` (see :meth:`Node.reconfigure`)."""
+    def adopt(self, config: NodeConfig, previous: Optional[NodeConfig] = None) -> None:
+        """The node now holds ``config``, in place of ``previous`` (see :meth:`Node.reconfigure`)."""
+        if previous is not None:
+            before = {m.model_id: m for m in previous.models}
+            for model in config.models:
+                old = before.get(model.model_id)
+                if old is not None and needs_new_child(old, model):
+                    for supervisor in self._supervisors.values():
+                        supervisor.policy.replaced(model)  # its failures were the old command's
         self._forget_placements()
         self._prefixes.resize(config.prefix_memory_entries if config.prefix_affinity else 0)
         scheduler = self._scheduler
@@ -60,6 +67,7 @@ class ConfigAdoption:
             new = current.get(held.model_id)
             if new is not None and not needs_new_child(held, new):
                 supervisor.model = new  # same command line: the running child serves it as is
+                scheduler.restore(name, held.model_id)  # and if a reload before had replaced it: current again
             elif new is not None:
                 scheduler.supersede(name, held.model_id)  # what it admitted finishes on it; then one restart
             elif scheduler.devices[name].model == held.model_id:

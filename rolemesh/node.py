@@ -327,8 +327,8 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         (roles, idle_unload_s) are adopted by the running child as it is.
         (:mod:`rolemesh.config_adoption`.)
         """
-        self.config = config
-        self.adoption.adopt(config)
+        previous, self.config = self.config, config
+        self.adoption.adopt(config, previous)
 
     # -- supervisor events -------------------------------------------------------------
 

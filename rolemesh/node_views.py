@@ -22,7 +22,7 @@ from rolemesh.prompt_cache import PromptCacheTally
 from rolemesh.reload import leaving
 from rolemesh.restart_policy import same_command
 from rolemesh.scheduler import Scheduler, superseded
-from rolemesh.supervisor import STARTING, DeviceSupervisor
+from rolemesh.supervisor import READY, STARTING, DeviceSupervisor
 from rolemesh.telemetry import ChildTelemetry, device_issues, load_progress
 
 
@@ -95,14 +95,16 @@ class NodeViews(UsesReactor[IReactorTime]):
                 restarts=snap["restarts"], metrics=metrics,
             )
             entry.update(self._telemetry_state(supervisor, len(book.queue), metrics))
-            entry["stale"] = self._stale(supervisor.model)
+            entry["stale"] = self._stale(supervisor)
             entry["group"] = self._group_on(device.name)
             out.append(entry)
         return out
 
-    def _stale(self, held: Optional[ModelConfig]) -> bool:
-        """Whether a child's record is one the config no longer has (a reload changed its command)."""
-        if held is None:
+    def _stale(self, supervisor: DeviceSupervisor) -> bool:
+        """Whether the device's child runs (or loads) a command the config no
+        longer has: a reload changed it."""
+        held = supervisor.model
+        if held is None or supervisor.state not in (STARTING, READY):
             return False
         current = next((m for m in self._config().models if m.model_id == held.model_id), None)
         return current is not None and current is not held and not same_command(held, current)

@@ -197,12 +197,19 @@ class RestartPolicy:
         known = self.records.get(model.model_id)
         if known is model:
             return
-        self.records[model.model_id] = model
         if known is not None and known != model and not same_command(known, model):
-            for run in self.runs.values():
-                run.pop(model.model_id, None)
-            self.backoffs.pop(model.model_id, None)
-            self.safe_mode.pop(model.model_id, None)
+            self.replaced(model)
+        self.records[model.model_id] = model
+
+    def replaced(self, model: ModelConfig) -> None:
+        """A reload gave the model another command (``model``): forget every
+        failure of the one before, even where the command comes back (a reload
+        undone) -- what failed was a record the config no longer has."""
+        for run in self.runs.values():
+            run.pop(model.model_id, None)
+        self.backoffs.pop(model.model_id, None)
+        self.safe_mode.pop(model.model_id, None)
+        self.records[model.model_id] = model
 
     def record_failure(self, model_id: str, now: float, history: History, schedule: Schedule,
                        ready_at: Optional[float] = None, code: Optional[str] = None,

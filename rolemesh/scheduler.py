@@ -454,11 +454,19 @@ class Scheduler:
         keep the old record, booked as :func:`superseded`; requests for the
         new record are another model -- they wait for those, then switch the
         device once."""
-        book, key = self.devices[device], superseded(model_id)
+        self._rebook(device, model_id, superseded(model_id))
+
+    def restore(self, device: str, model_id: str) -> None:
+        """A reload brought back the command ``device``'s superseded child
+        runs (a reload undone): it is ``model_id``'s current one again."""
+        self._rebook(device, superseded(model_id), model_id)
+
+    def _rebook(self, device: str, was: str, key: str) -> None:
+        book = self.devices[device]
         for ticket in (*book.running, *book.queue):
-            if ticket.model_id == model_id:
+            if ticket.model_id == was:
                 ticket.model_id = key
-        if book.model == model_id:
+        if book.model == was:
             book.model = key
         self._settle(book)
 
