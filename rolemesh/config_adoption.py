@@ -15,7 +15,7 @@ from rolemesh.config import ModelConfig, NodeConfig
 from rolemesh.prefix import PrefixMemory
 from rolemesh.reload import needs_new_child
 from rolemesh.scheduler import Scheduler
-from rolemesh.supervisor import DeviceSupervisor
+from rolemesh.supervisor import READY, STARTING, DeviceSupervisor
 
 log = Logger()
 
@@ -68,6 +68,8 @@ class ConfigAdoption:
             if new is not None and not needs_new_child(held, new):
                 supervisor.model = new  # same command line: the running child serves it as is
                 scheduler.restore(name, held.model_id)  # and if a reload before had replaced it: current again
+                if supervisor.state in (STARTING, READY):  # removed, then added back unchanged: booked again
+                    scheduler.model_loaded(name, new.model_id, new.parallel)
             elif new is not None:
                 scheduler.supersede(name, held.model_id)  # what it admitted finishes on it; then one restart
             elif scheduler.devices[name].model == held.model_id:

@@ -543,14 +543,21 @@ class _LiveCollector(Collector):
             "1 for the model the device's child serves or is loading.",
             labels=["device", "model"],
         )
+        stale = GaugeMetricFamily(
+            "rolemesh_child_stale",
+            "1 while the device's child runs a command a reload replaced (it finishes its requests, then restarts).",
+            labels=["device"],
+        )
         for name, supervisor in metrics.node.supervisors.items():
             for s in CHILD_STATES:
                 state.add_metric([name, s], 1 if supervisor.state == s else 0)
             current = supervisor.loading_or_loaded
             for model_id in sorted(metrics._models):
                 model.add_metric([name, model_id], 1 if current == model_id else 0)
+            stale.add_metric([name], 1 if metrics.node.child_stale(name) else 0)
         yield state
         yield model
+        yield stale
 
     def _backoffs(self) -> Iterator[Metric]:
         """Which model backs off on which device, until when and after how

@@ -357,6 +357,10 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         """Take one device metrics sample; a failed or slow one marks samples stale."""
         return self.sampler.sample_metrics()
 
+    def child_stale(self, device: str) -> bool:
+        """Whether the device's child runs a command a reload replaced (see :meth:`NodeViews.stale`)."""
+        return self.views.stale(device)
+
     def load_progress(self, device: str) -> Optional[Dict[str, Any]]:
         """How far the device's child has got loading (None unless it is starting)."""
         return self.views.load_progress(device)

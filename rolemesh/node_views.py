@@ -95,14 +95,15 @@ class NodeViews(UsesReactor[IReactorTime]):
                 restarts=snap["restarts"], metrics=metrics,
             )
             entry.update(self._telemetry_state(supervisor, len(book.queue), metrics))
-            entry["stale"] = self._stale(supervisor)
+            entry["stale"] = self.stale(device.name)
             entry["group"] = self._group_on(device.name)
             out.append(entry)
         return out
 
-    def _stale(self, supervisor: DeviceSupervisor) -> bool:
+    def stale(self, device: str) -> bool:
         """Whether the device's child runs (or loads) a command the config no
         longer has: a reload changed it."""
+        supervisor = self._supervisors[device]
         held = supervisor.model
         if held is None or supervisor.state not in (STARTING, READY):
             return False

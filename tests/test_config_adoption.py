@@ -23,6 +23,7 @@ class Supervisor:
     def __init__(self, name: str) -> None:
         self.name = name
         self.model: Optional[ModelConfig] = None
+        self.state = "ready"
         self.stops = 0
 
     @property

@@ -335,6 +335,19 @@ class NodeEventTests(SynchronousTestCase):
         self.assertEqual(value(families, "rolemesh_device_in_flight", device="gpu:0"), 0)
         self.assertEqual(value(families, "rolemesh_device_queue_depth", device="gpu:0"), 0)
 
+    def test_a_child_of_a_command_a_reload_replaced_is_stale(self) -> None:
+        h = Harness()
+        d = h.node.acquire(h.config.model("a"), device="gpu:0")
+        h.ready("a")
+        lease = self.successResultOf(d)
+        self.assertEqual(value(h.scrape(), "rolemesh_child_stale", device="gpu:0"), 0)
+        h.node.reconfigure(make_config([{"model_id": "a", "roles": ["chat"], "ctx_size": 1024},
+                                        {"model_id": "b", "alias": "bee"}], max_pending_requests_per_device=2))
+        families = h.scrape()
+        self.assertEqual((value(families, "rolemesh_child_stale", device="gpu:0"),
+                          value(families, "rolemesh_child_stale", device="gpu:1")), (1, 0))
+        lease.release()
+
     def test_load_counted_with_duration_and_child_state(self) -> None:
         h = Harness()
         families = h.scrape()

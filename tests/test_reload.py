@@ -282,6 +282,25 @@ class ReloadTests(ServiceTestCase):
         lease.release()
         self.assertIn(signal.SIGTERM, child.signals)
 
+    def test_a_model_removed_and_added_back_unchanged_keeps_its_child_booked(self) -> None:
+        """Issue 39: a second request beside a running one is served at once by the same child."""
+        p = {"model_id": "p", "server_args": {"parallel": 2}}
+        h = self.harness(base(models=[{"model_id": "a"}, p]))
+        h.start()
+        first = self.acquire(h, "p")
+        child = h.live_children()[0]
+        h.write(base(models=[{"model_id": "a"}]))
+        self.reload(h)
+        h.write(base(models=[{"model_id": "a"}, p]))
+        self.reload(h)
+        second: List[Any] = []
+        h.root.node.acquire(h.root.config.model("p")).addBoth(second.append)
+        self.assertTrue(second and isinstance(second[0], Lease), "beside the first, at once")
+        self.assertIs(second[0].endpoint.pid, child.pid)
+        self.assertEqual(child.signals, [])
+        first.release()
+        second[0].release()
+
     def listed(self, h: ServiceHarness) -> Dict[str, Any]:
         code, body = h.call("GET", "/v1/models", key=KEY)
         self.assertEqual(code, 200, body)
