@@ -329,6 +329,9 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         """
         previous, self.config = self.config, config
         self.adoption.adopt(config, previous)
+        for name, supervisor in self.supervisors.items():
+            if self.views.stale(name) and supervisor.model is not None:
+                self.events.emit("superseded", device=name, model=supervisor.model.model_id, state=supervisor.state)
 
     # -- supervisor events -------------------------------------------------------------
 

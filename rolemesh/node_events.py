@@ -56,10 +56,11 @@ DISPATCHER_DOWN = "dispatcher_down"
 ISSUE_RAISED = "issue_raised"
 ISSUE_CLEARED = "issue_cleared"
 QUEUE_PRESSURE = "queue_pressure"
+SUPERSEDED = "superseded"
 
 #: Every event type, in the order docs/api.md lists them.
 EVENT_TYPES = (LOAD_STARTED, LOAD_PROGRESS, READY, FAILED, UNLOADED, SWITCHED, DRAINING, DISPATCHER_UP,
-               DISPATCHER_DOWN, ISSUE_RAISED, ISSUE_CLEARED, QUEUE_PRESSURE)
+               DISPATCHER_DOWN, ISSUE_RAISED, ISSUE_CLEARED, QUEUE_PRESSURE, SUPERSEDED)
 #: The types a dispatcher is sent (its own up/down it knows better than we do).
 ROUTING_TYPES = frozenset(EVENT_TYPES) - {DISPATCHER_UP, DISPATCHER_DOWN}
 
@@ -231,6 +232,8 @@ class NodeFeed:
     def _node_event(self, event: str, **fields: Any) -> None:
         if event == DRAINING:
             self.publish(DRAINING, None, None, state="draining")
+        elif event == SUPERSEDED:  # a reload replaced the command of the device's running child
+            self.publish(SUPERSEDED, fields.get("device"), fields.get("model"), state=str(fields.get("state")))
         elif event in ("queue_full", "queue_wait", "queue_timeout"):
             self.check_queues(fields.get("device"))
 
@@ -338,6 +341,8 @@ def coalesce_key(event: NodeEvent) -> Tuple[Any, ...]:
         return (event.device, "queue")
     if event.type == DRAINING:
         return (None, "draining")
+    if event.type == SUPERSEDED:  # the state events of the cut-over that follows do not replace it
+        return (event.device, "superseded")
     if event.type == FAILED:  # its diagnosis survives the unload or restart that follows it
         return (event.device, "failed")
     return (event.device, "state")

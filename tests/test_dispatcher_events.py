@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attr
 from jsonschema import Draft202012Validator
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -210,7 +211,8 @@ class DeltaTests(SynchronousTestCase):
 class EveryEventValidatesTests(SynchronousTestCase):
     def test_each_event_a_real_node_publishes_fits_the_events_schema(self) -> None:
         """Load, progress, ready, switch, unload, failure, issues, queue
-        pressure and drain from a real Node on fakes, sent as the client sends them."""
+        pressure, a reload's superseded command and drain from a real Node
+        on fakes, sent as the client sends them."""
         from rolemesh.payloads import events_payload
         from tests.test_node import NodeHarness
 
@@ -236,6 +238,9 @@ class EveryEventValidatesTests(SynchronousTestCase):
         h.node.feed.check()
         h.sup().last_error_code = h.sup().last_error = None
         h.node.feed.check()
+        h.node.reconfigure(attr.evolve(h.config, models=tuple(
+            attr.evolve(m, ctx_size=4096) if m.model_id == "b" else m for m in h.config.models)))  # superseded
+        h.node.reconfigure(h.config)  # and back
         h.child().exit(1)  # a crash
         h.node.acquire(h.model("a")).addErrback(lambda f: None)
         h.child().exit(1)  # a failed load

@@ -12,8 +12,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh import node_events as ne
 from rolemesh.node_events import DeltaBuffer, NodeEvent, NodeFeed, SSEClient, sse_frame
+from tests.fakes import make_config
 from tests.test_api import ApiTestCase
-from tests.test_node import NodeHarness
+from tests.test_node import MODELS, NodeHarness
 
 
 class Recorder:
@@ -47,6 +48,17 @@ class FeedFromNodeTests(SynchronousTestCase):
         self.assertEqual(seen.events[-1].to_json()["time"], 160.5)  # the load took one 0.5 s probe tick
         ids = [e.id for e in seen.events]
         self.assertEqual(ids, sorted(ids))
+
+    def test_a_reload_that_replaces_the_running_command_says_so(self) -> None:
+        h = self.started()
+        seen = Recorder(h.node.feed)
+        h.load("a")
+        models = [dict(m) for m in MODELS]
+        h.node.reconfigure(make_config([dict(models[0], roles=["other"]), *models[1:]]))  # same command
+        self.assertNotIn(ne.SUPERSEDED, seen.types())
+        h.node.reconfigure(make_config([dict(models[0], ctx_size=4096), *models[1:]]))
+        (event,) = [e.to_json() for e in seen.events if e.type == ne.SUPERSEDED]
+        self.assertEqual((event["device"], event["model"], event["state"]), ("gpu:0", "a", "ready"))
 
     def test_a_child_that_dies_loading_is_failed_with_its_diagnosis(self) -> None:
         h = self.started()
