@@ -61,6 +61,8 @@ class ConfigAdoption:
         scheduler.pending_limit = config.max_pending_requests_per_device
         current = {m.model_id: m for m in config.models}
         for name, supervisor in self._supervisors.items():
+            for model in config.models:
+                supervisor.retarget(model)  # a switch not yet spawned starts the current command
             held = supervisor.model
             if held is None:
                 continue

@@ -329,6 +329,14 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         # STOPPING: child_ended starts the target once the old child is reaped.
         return d
 
+    def retarget(self, model: ModelConfig) -> None:
+        """A reload replaced the command of the model a switch is about to
+        start (the old child still stopping): start ``model``'s instead, so
+        one reload costs one load, not the old command's and then the new's."""
+        target = self._target
+        if target is not None and target.model_id == model.model_id and target is not model:
+            self._target = model
+
     def refusal(self, model: ModelConfig) -> Optional[errors.ApiError]:
         """The 503 for ``model`` while it backs off on this device (its
         Retry-After: when it will be tried again), else None.  Only the model

@@ -34,6 +34,9 @@ class Supervisor:
         self.stops += 1
         self.model = None
 
+    def retarget(self, model: ModelConfig) -> None:
+        pass
+
 
 class ConfigAdoptionTests(SynchronousTestCase):
     def setUp(self) -> None:

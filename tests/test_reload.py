@@ -459,6 +459,25 @@ class ReloadTests(ServiceTestCase):
         self.assertIn("1024", h.live_children()[0].argv)
         queued[0].release()
 
+    def test_a_reload_during_a_switch_to_the_changed_model_costs_one_load(self) -> None:
+        """The old child of another model still stopping when the reload comes: the switch starts the new command."""
+        h = self.harness(base(models=[{"model_id": "a"}, {"model_id": "p", "ctx_size": 512}]))
+        h.start()
+        self.acquire(h, "a").release()
+        old_child = h.live_children()[0]
+        switching: List[Any] = []
+        h.root.node.acquire(h.root.config.model("p")).addBoth(switching.append)
+        self.assertIn(signal.SIGTERM, old_child.signals)  # a's child stops for the switch
+        h.write(base(models=[{"model_id": "a"}, {"model_id": "p", "ctx_size": 1024}]))
+        self.reload(h)
+        spawned = len(h.reactor.processes)
+        old_child.exit(0)
+        h.answer("p")
+        self.assertTrue(switching and isinstance(switching[0], Lease), switching)
+        self.assertEqual(len(h.reactor.processes), spawned + 1, "one load")
+        self.assertIn("1024", h.live_children()[0].argv)
+        switching[0].release()
+
     def test_changed_while_loading_the_old_load_serves_its_request_only(self) -> None:
         h = self.harness(base(models=[{"model_id": "p", "server_args": {"parallel": 2}}]))
         h.start()
