@@ -244,6 +244,8 @@ class ReloadedNode(Protocol):
 
     def preload(self, model: ModelConfig, device: Optional[str] = None) -> object: ...
 
+    def preload_targets(self, model: ModelConfig) -> List[Optional[str]]: ...
+
 
 class ReloadedDispatcher(Protocol):
     """The dispatcher client (:class:`rolemesh.dispatcher.DispatcherClient`): a fresh registration."""
@@ -350,6 +352,6 @@ class Reloader:
         model = config.model(model_id)
         devices: Sequence[Optional[str]] = [d for m, d in config.preload if m == model_id]
         if model.preload and None not in devices:
-            devices = [*devices, None]
+            devices = [*devices, *self.node.preload_targets(model)]  # as at start-up: min_replicas of them
         for device in devices:
             self.node.preload(model, device)

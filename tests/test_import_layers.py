@@ -476,6 +476,6 @@ class PassedDownTests(SynchronousTestCase):
     def test_a_missing_member_is_noticed(self) -> None:
         from rolemesh.reload import ReloadedNode
 
-        self.assertEqual(protocol_members(ReloadedNode), {"reconfigure", "preload"})
+        self.assertEqual(protocol_members(ReloadedNode), {"reconfigure", "preload", "preload_targets"})
         with self.assertRaises(self.failureException):
             self.assertProvides(object(), ReloadedNode)

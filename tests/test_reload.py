@@ -530,6 +530,16 @@ class ReloadTests(ServiceTestCase):
         self.assertEqual(self.h.api.config.request_timeout_s, 12)
         self.assertTrue(any("needs a restart" in e.get("log_format", "") for e in events))
 
+    def test_a_model_added_with_preload_and_min_replicas_loads_them_all(self) -> None:
+        """As at start-up: ``preload: true, min_replicas: 2`` loads on two devices."""
+        h = self.harness(base(models=[{"model_id": "a"}]), devices=2)
+        h.start()
+        h.write(base(models=[{"model_id": "a"}, {"model_id": "r", "preload": True, "min_replicas": 2}]))
+        self.assertEqual(self.reload(h)[1]["models"]["added"], ["r"])
+        h.answer("r")
+        states = {d["device"]: (d["state"], d["model"]) for d in h.root.node.inventory()["devices"]}
+        self.assertEqual(states, {"gpu:0": ("ready", "r"), "gpu:1": ("ready", "r")})
+
     def test_preload_device_that_is_not_here_is_invalid(self) -> None:
         self.write(preload=[{"model": "a", "device": "gpu:7"}])
         code, body = self.reload(self.h)
