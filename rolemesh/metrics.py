@@ -552,7 +552,8 @@ class _LiveCollector(Collector):
             for s in CHILD_STATES:
                 state.add_metric([name, s], 1 if supervisor.state == s else 0)
             current = supervisor.loading_or_loaded
-            for model_id in sorted(metrics._models):
+            # A model a reload removed still shows where its child serves (until it leaves).
+            for model_id in sorted(metrics._models | ({current} if current is not None else set())):
                 model.add_metric([name, model_id], 1 if current == model_id else 0)
             stale.add_metric([name], 1 if metrics.node.child_stale(name) else 0)
         yield state

@@ -348,6 +348,17 @@ class NodeEventTests(SynchronousTestCase):
                           value(families, "rolemesh_child_stale", device="gpu:1")), (1, 0))
         lease.release()
 
+    def test_a_removed_model_still_serving_shows_on_its_device(self) -> None:
+        h = Harness()
+        d = h.node.acquire(h.config.model("b"), device="gpu:0")
+        h.ready("bee")
+        lease = self.successResultOf(d)
+        h.node.reconfigure(make_config([{"model_id": "a", "roles": ["chat"]}], max_pending_requests_per_device=2))
+        families = h.scrape()
+        self.assertEqual(value(families, "rolemesh_child_model", device="gpu:0", model="b"), 1)
+        self.assertEqual(value(families, "rolemesh_child_model", device="gpu:1", model="b"), None)
+        lease.release()
+
     def test_load_counted_with_duration_and_child_state(self) -> None:
         h = Harness()
         families = h.scrape()
