@@ -43,6 +43,7 @@ import attr
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -217,6 +218,8 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self._attempt = ChildAttempt(self.name, None, self.output, self._child_ended, self._pidfiles)
         self._target: Optional[ModelConfig] = None
         self._closing = False
+        #: When the current model's back-off ends, the device stops saying ``failed``.
+        self._backoff_end: Optional[IDelayedCall] = None
         self._endpoints = EndpointCache()
         #: What a transition has to tell, delivered once it is complete.
         self._outbox = Outbox()
@@ -252,6 +255,26 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         model = self.model
         self._emit(CHILD_STATE, device=self.name, state=state, previous=previous,
                    model=model.model_id if model is not None else None, model_config=model)
+        self._arm_backoff_end()
+
+    def _arm_backoff_end(self) -> None:
+        """A failed device waits out its model's back-off, then says
+        ``stopped``: a dispatcher that routes by the heartbeat's state sends
+        it the request that tries the model again, instead of none for ever."""
+        timer, self._backoff_end = self._backoff_end, None
+        if timer is not None and timer.active():
+            timer.cancel()
+        if self.state != FAILED or self.model is None or self._closing:
+            return
+        left = self.policy.backing_off(self.model.model_id, self.reactor.seconds())
+        if left > 0:
+            self._backoff_end = self.reactor.callLater(left, self._backoff_over)
+
+    @_transition
+    def _backoff_over(self) -> None:
+        self._backoff_end = None
+        if self.state == FAILED and not self._closing:
+            self._set_state(STOPPED)
 
     # -- reading (see rolemesh.child_views) ----------------------------------------
 
@@ -402,6 +425,7 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
     def stopService(self) -> "Deferred[None]":
         super().stopService()
         self._closing = True
+        self._arm_backoff_end()  # cancels it
         return self.stop()
 
     # -- starting -------------------------------------------------------------

@@ -213,6 +213,21 @@ class StateMachineTests(SynchronousTestCase):
         self.assertNotIn("--no-repack", h.reactor.last.argv)
         self.assertEqual(h.sup.warnings, [])
 
+    def test_a_failed_device_says_stopped_once_the_back_off_is_over(self):
+        """Issue 39: a dispatcher routing by the heartbeat's state would never send the retry to 'failed'."""
+        h = self.h
+        d = h.sup.ensure(h.a)
+        h.reactor.last.exit(1)
+        self.failureResultOf(d)
+        self.assertEqual(h.sup.state, FAILED)
+        h.reactor.advance(14)
+        self.assertEqual(h.sup.state, FAILED)
+        h.reactor.advance(1)
+        self.assertEqual(h.sup.state, STOPPED)
+        self.assertEqual(h.sup.last_error_code, "model_load_failed")  # the diagnosis stays
+        h.sup.ensure(h.a)
+        self.assertEqual(len(h.reactor.processes), 2)
+
     def test_backoff_expires_and_grows_past_what_clients_honour(self):
         h = self.h
         d = h.sup.ensure(h.a)
