@@ -333,14 +333,17 @@ class Relay:
             exchange.shape = attr.evolve(shape or RequestShape(), first_read=functools.partial(self._armed, exchange))
         return self.place(exchange, model, share, prompt, route.use)
 
-    def _armed(self, exchange: "_Exchange", first_read: bytes) -> None:
-        """A stream armed with reasoning_control began: remember its id's child."""
+    def _armed(self, exchange: "_Exchange", first_read: bytes) -> bool:
+        """A stream armed with reasoning_control began: remember its id's
+        child.  True once the id is in (its first event may come in pieces)."""
         try:
             key, lease = completion_id(first_read), exchange._lease
             if key is not None and lease is not None:
                 self.held.remember(COMPLETION, key, holder(lease))
+            return key is not None
         except Exception:  # bookkeeping must not break the stream
             log.failure("remembering a completion's child failed")
+            return True
 
     def place(self, exchange: "_Exchange", model: ModelConfig, share: Share,
               prompt: Optional[Mapping[str, Any]], use: str, load: bool = True) -> "defer.Deferred[None]":

@@ -103,6 +103,9 @@ TimingsCallback = Callable[[int, int], None]
 #: The headers of every request to a child (never changed: shared).
 _REQUEST_HEADERS = Headers({b"content-type": [b"application/json"], b"accept": [b"*/*"]})
 
+#: How much of a stream's beginning ``RequestShape.first_read`` may be shown.
+FIRST_READ_BYTES = 4096
+
 
 @attr.s(frozen=True, slots=True, auto_attribs=True)
 class RequestShape:
@@ -115,8 +118,9 @@ class RequestShape:
     stream_ends: Tuple[bytes, ...] = ()
     #: Whose stream it is (``openai``, ``anthropic``, ``responses``): how a cut one is ended.
     api: str = "openai"
-    #: Told a stream's first read (where its completion id is), once.
-    first_read: Optional[Callable[[bytes], None]] = None
+    #: Told a stream's first bytes (where its completion id is) until it says it found what
+    #: it looks for (True) or FIRST_READ_BYTES came: the first event may come in pieces.
+    first_read: Optional[Callable[[bytes], bool]] = None
 
 
 class UpstreamUnreachable(Exception):
@@ -200,9 +204,10 @@ class _Relay(Protocol):
     def __init__(self, request: ProxiedRequest, ended: Callable[[bool], None], on_data: Callable[[], None],
                  watch_done: bool = False, timings: Optional[TimingsCallback] = None,
                  ends: Sequence[bytes] = (), usage_first: bool = False,
-                 first_read: Optional[Callable[[bytes], None]] = None) -> None:
+                 first_read: Optional[Callable[[bytes], bool]] = None) -> None:
         self._request = request
         self._first_read = first_read
+        self._first_bytes = b""
         self._ended = ended
         self._on_data = on_data
         self.answered = False
@@ -227,8 +232,9 @@ class _Relay(Protocol):
         self._on_data()
         self._request.write(data)
         if self._first_read is not None:
-            first_read, self._first_read = self._first_read, None
-            first_read(data)
+            self._first_bytes = (self._first_bytes + data)[:FIRST_READ_BYTES]
+            if self._first_read(self._first_bytes) or len(self._first_bytes) >= FIRST_READ_BYTES:
+                self._first_read, self._first_bytes = None, b""
         if self._usage_first:
             self._usage_first = False
             timings, self._timings = self._timings, None

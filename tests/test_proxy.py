@@ -1013,3 +1013,36 @@ class TimingsTests(ProxyTestCase):
             response.finish()
             self.assertEqual(self.successResultOf(d), COMPLETE)
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 2)
+
+
+class FirstReadTests(SynchronousTestCase):
+    """A stream's first event, where its completion id is, may come in pieces."""
+
+    def relay(self, found: List[bytes]) -> Any:
+        from rolemesh.proxy import _Relay
+
+        class Written:
+            def write(self, data: bytes) -> None:
+                pass
+
+        def first_read(head: bytes) -> bool:
+            found.append(head)
+            return b'"id":"chatcmpl-1"' in head
+
+        return _Relay(Written(), lambda ok: None, lambda: None, first_read=first_read)  # type: ignore[arg-type]
+
+    def test_an_id_split_over_reads_is_found_then_nothing_more_is_shown(self) -> None:
+        found: List[bytes] = []
+        relay = self.relay(found)
+        for piece in (b'data: {"id":"chat', b'cmpl-1","choices":[]}\n\n', b'data: {"id":"chatcmpl-1"}\n\n'):
+            relay.dataReceived(piece)
+        self.assertEqual(found, [b'data: {"id":"chat', b'data: {"id":"chatcmpl-1","choices":[]}\n\n'])
+
+    def test_a_stream_without_one_is_shown_at_most_its_first_bytes(self) -> None:
+        from rolemesh.proxy import FIRST_READ_BYTES
+
+        found: List[bytes] = []
+        relay = self.relay(found)
+        for _ in range(3):
+            relay.dataReceived(b"x" * (FIRST_READ_BYTES // 2))
+        self.assertEqual([len(head) for head in found], [FIRST_READ_BYTES // 2, FIRST_READ_BYTES])
