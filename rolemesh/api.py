@@ -36,6 +36,7 @@ from rolemesh.reload import ReloadResult
 from rolemesh.routes import (
     FORM_BODY,
     GENERATE,
+    INSTANCES_BODY,
     JSON_BODY,
     PASSTHROUGH,
     TOKENS,
@@ -101,7 +102,7 @@ ROUTES: Tuple[Route, ...] = (
     *_relayed("infill", "/infill"),
     *_relayed("rerank", "/v1/rerank", "/rerank", "/v1/reranking", "/reranking"),
     # Google Vertex AI's prediction protocol (rolemesh/vertex_ai.py): each child serves it.
-    *_relayed("predict", "/predict"),
+    *_relayed("predict", "/predict", body=INSTANCES_BODY),
     *_relayed("audio/transcriptions", "/v1/audio/transcriptions", "/audio/transcriptions", body=FORM_BODY,
               fast=False),
     # Token utilities: the model's child, no generation slot.

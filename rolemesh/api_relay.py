@@ -32,7 +32,7 @@ from rolemesh.interfaces import ProxiedRequest, RouteRequest
 from rolemesh.logs import emit, one_write
 from rolemesh.node import Lease, Node, Pin
 from rolemesh.proxy import CLIENT_GONE, STALLED, STREAM_ENDS, Forward, Proxy, RequestShape, UpstreamUnreachable
-from rolemesh.routes import FORM_BODY, GENERATE, Route
+from rolemesh.routes import FORM_BODY, GENERATE, INSTANCES_BODY, Route
 from rolemesh.tenants import Tenants
 from rolemesh.vertex_ai import predict_model
 
@@ -306,13 +306,13 @@ class Relay:
                 shape: Optional[RequestShape] = RequestShape(headers=Headers({b"content-type": [content_type]}))
             else:
                 payload = parse_body(body, self.config.max_request_body_bytes, model_required=False)
-                name = payload.get("model") if endpoint != "predict" else predict_model(payload)
+                name = predict_model(payload) if route.body == INSTANCES_BODY else payload.get("model")
                 shape = _SHAPES.get(endpoint)
             model, served_as = self.node.resolve_request(name)
             record.model = model.model_id
             if model.lora_adapters and payload is not None:  # the agent sets the adapters' scales
-                body = (with_lora(payload, model, served_as) if endpoint != "predict" else
-                        instances_with_lora(payload, model, served_as))
+                body = (instances_with_lora(payload, model, served_as) if route.body == INSTANCES_BODY else
+                        with_lora(payload, model, served_as))
             prompt = payload if endpoint in PREFIXED else None  # prefix affinity: not for embeddings ...
             streaming = payload is not None and payload.get("stream") is True
             conversation = request.getHeader(b"x-conversation-id") if streaming else None

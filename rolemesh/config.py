@@ -247,11 +247,7 @@ def _names(path: str, value: Any) -> Tuple[str, ...]:
     """A list of names or labels; llama-server's comma-separated string is taken too."""
     if isinstance(value, str):
         value = [part.strip() for part in value.split(",") if part.strip()]
-    names = _string_list(path, value or [])
-    for j, name in enumerate(names):
-        if not name:
-            raise ConfigError(f"{path}[{j}]: an empty name")
-    return tuple(dict.fromkeys(names))
+    return tuple(dict.fromkeys(_string_list(path, value or [])))  # _string refuses an empty one
 
 
 def _model_devices(path: str, value: Any) -> Tuple[str, ...]:

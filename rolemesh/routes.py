@@ -35,10 +35,12 @@ _PARAMETER = re.compile(r"<[^>]*>")
 GENERATE = "generate"
 TOKENS = "tokens"
 PASSTHROUGH = "passthrough"
-#: How a relayed route's body names its model: a JSON object's ``model``, or
-#: a multipart form's ``model`` field (``/v1/audio/transcriptions``).
+#: How a relayed route's body names its model: a JSON object's ``model``, a
+#: multipart form's ``model`` field (``/v1/audio/transcriptions``), or the
+#: ``model`` its ``instances`` share (Vertex AI's ``/predict``, rolemesh/vertex_ai.py).
 JSON_BODY = "json"
 FORM_BODY = "form"
+INSTANCES_BODY = "instances"
 
 
 @attr.s(frozen=True, slots=True, auto_attribs=True)
@@ -71,7 +73,7 @@ class Route:
             raise ValueError(f"{self.method} {self.path}: the path begins with /")
         if self.fast and _PARAMETER.search(self.path):
             raise ValueError(f"{self.method} {self.path}: a fast route's path has no parameters")
-        if self.use not in (GENERATE, TOKENS, PASSTHROUGH) or self.body not in (JSON_BODY, FORM_BODY):
+        if self.use not in (GENERATE, TOKENS, PASSTHROUGH) or self.body not in (JSON_BODY, FORM_BODY, INSTANCES_BODY):
             raise ValueError(f"{self.method} {self.path}: use {self.use!r}, body {self.body!r}: unknown")
 
     @property

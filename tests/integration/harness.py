@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import http.client
 import json
 import os
@@ -209,3 +210,18 @@ class Stream(threading.Thread):
 
     def stop(self) -> None:
         self.stopping.set()
+
+
+def shared_agent(agents: Dict[bool, AgentProcess], fast_path: bool, name: str, top: Dict[str, Any],
+                 preload: bool) -> AgentProcess:
+    """One agent per test class and path (``fast_path``), with one tiny model
+    ``tiny-a``: started by the class's first test (trial has no setUpClass),
+    again if it died, and stopped when trial exits."""
+    agent = agents.get(fast_path)
+    if agent is None or agent.process.poll() is not None:
+        directory = os.path.abspath(f"_{name}_{int(fast_path)}")
+        agent = agents[fast_path] = AgentProcess(directory, {
+            **top, "fast_path": fast_path,
+            "models": [{"model_id": "tiny-a", "path": tiny_model(directory, "a", 1), "preload": preload}]})
+        atexit.register(agent.stop)
+    return agent

@@ -9,10 +9,8 @@ subclass, with ``fast_path: false``.
 
 from __future__ import annotations
 
-import atexit
 import http.client
 import json
-import os
 import socket
 import threading
 import time
@@ -21,7 +19,7 @@ from typing import Dict, List
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh import lingering
-from tests.integration.harness import AgentProcess, require_llama_server, tiny_model
+from tests.integration.harness import AgentProcess, require_llama_server, shared_agent
 from tests.integration.test_listener_bytes import rss_bytes
 
 KEY = "linger-key"
@@ -34,14 +32,8 @@ class LingeringCloseTests(SynchronousTestCase):
 
     def setUp(self) -> None:
         require_llama_server()
-        agent = self._agents.get(self.fast_path)
-        if agent is None or agent.process.poll() is not None:
-            directory = os.path.abspath(f"_lingering_{int(self.fast_path)}")
-            agent = self._agents[self.fast_path] = AgentProcess(directory, {
-                "api_key": KEY, "fast_path": self.fast_path, "max_request_body_bytes": LIMIT,
-                "models": [{"model_id": "tiny-a", "path": tiny_model(directory, "a", 1), "preload": False}]})
-            atexit.register(agent.stop)
-        self.agent = agent
+        self.agent = shared_agent(self._agents, self.fast_path, "lingering",
+                                  {"api_key": KEY, "max_request_body_bytes": LIMIT}, preload=False)
 
     def post(self, body: bytes, headers: Dict[str, str]) -> http.client.HTTPResponse:
         connection = http.client.HTTPConnection("127.0.0.1", self.agent.port, timeout=30)

@@ -10,7 +10,6 @@ twisted.web, after the same checks).
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import re
@@ -23,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.request_head import READ_FIELDS
-from tests.integration.harness import AgentProcess, require_llama_server, tiny_model
+from tests.integration.harness import AgentProcess, require_llama_server, shared_agent
 from tests.integration.raw_http import Answers, exchange, final
 
 KEY = "listener-key"
@@ -67,14 +66,8 @@ class ListenerBytesTests(SynchronousTestCase):
 
     def setUp(self) -> None:
         require_llama_server()
-        agent = self._agents.get(self.fast_path)
-        if agent is None or agent.process.poll() is not None:
-            directory = os.path.abspath(f"_listener_bytes_{int(self.fast_path)}")
-            agent = self._agents[self.fast_path] = AgentProcess(directory, {
-                "api_key": KEY, "fast_path": self.fast_path, "request_read_timeout_s": 5, "idle_timeout_s": 10,
-                "models": [{"model_id": "tiny-a", "path": tiny_model(directory, "a", 1), "preload": True}]})
-            atexit.register(agent.stop)
-        self.agent = agent
+        self.agent = shared_agent(self._agents, self.fast_path, "listener_bytes",
+                                  {"api_key": KEY, "request_read_timeout_s": 5, "idle_timeout_s": 10}, preload=True)
 
     def send(self, data: bytes, **kw):
         kw.setdefault("quiet", 10.0)  # every exchange here ends by a close or its expected answers
