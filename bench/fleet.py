@@ -1,10 +1,10 @@
 """A fleet's reporting on one machine: bytes, messages and staleness into one dispatcher.
 
 N simulated hosts of D devices each run the agent's real reporting code --
-one :class:`rolemesh.dispatcher.DispatcherClient` per host, the real payload
-builders (:mod:`rolemesh.payloads`: ``device_state``, ``heartbeat_payload``,
+one :class:`rolemesh.fleet.dispatcher.DispatcherClient` per host, the real payload
+builders (:mod:`rolemesh.node.payloads`: ``device_state``, ``heartbeat_payload``,
 ``events_payload``) and, for the new protocol, a real
-:class:`rolemesh.node_events.NodeFeed` per host -- against a stub dispatcher
+:class:`rolemesh.node.feed.NodeFeed` per host -- against a stub dispatcher
 in the same process that counts bytes and messages and keeps its own view of
 every device.  Two protocols, side by side:
 
@@ -63,10 +63,10 @@ sys.path.insert(0, ROOT)
 from twisted.internet.defer import succeed  # noqa: E402
 from twisted.logger import globalLogBeginner  # noqa: E402
 
-from rolemesh import node_events as ne  # noqa: E402
-from rolemesh.devices import DeviceMetrics  # noqa: E402
-from rolemesh.dispatcher import EVENTS_PATH, HEARTBEAT_PATH, DispatcherClient  # noqa: E402
-from rolemesh.payloads import device_state, heartbeat_payload  # noqa: E402
+from rolemesh.base.devices import DeviceMetrics  # noqa: E402
+from rolemesh.fleet.dispatcher import EVENTS_PATH, HEARTBEAT_PATH, DispatcherClient  # noqa: E402
+from rolemesh.node import feed as ne  # noqa: E402
+from rolemesh.node.payloads import device_state, heartbeat_payload  # noqa: E402
 
 HEARTBEAT_INTERVAL_S = 5.0
 FULL_HEARTBEAT_INTERVAL_S = 30.0

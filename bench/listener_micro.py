@@ -33,7 +33,7 @@ def channel_cost(n: int) -> float:
     from twisted.internet.testing import StringTransport
     from twisted.web.resource import Resource
 
-    import rolemesh.listener as listener
+    import rolemesh.http.listener as listener
 
     def route(request):  # type: ignore[no-untyped-def]
         request.getHeader(b"authorization")

@@ -379,8 +379,8 @@ def verdict(ok: bool) -> str:
 TELEMETRY_AGENT = """
 import sys
 from twisted.internet import defer
-import rolemesh.node as node
-import rolemesh.telemetry as telemetry
+import rolemesh.node.node as node
+import rolemesh.children.telemetry as telemetry
 mode, interval = sys.argv[1], float(sys.argv[2])
 init = node.Node.__init__
 def patched(self, *a, **kw):

@@ -7,7 +7,7 @@ direct   spawn llama-server on model B exactly as the supervisor would (same
          argv, no exec wrapper) and poll ``GET /health`` + ``GET /v1/models``
          every ``--direct-poll`` seconds (default 2 ms) until B is listed:
          llama-server's own cold start.
-agent    a :class:`rolemesh.supervisor.DeviceSupervisor` (real reactor,
+agent    a :class:`rolemesh.children.supervisor.DeviceSupervisor` (real reactor,
          ``CpuBackend``, real readiness probe) with model A ready; the time
          ``ensure(B)`` takes to fire is the switch latency (stop A, reap it,
          start B through the exec wrapper, probe until ready).  The time
@@ -25,7 +25,7 @@ within 10% + one probe interval of the same llama-server's own cold start, i.e.
 the tiny model A to a model whose file was evicted from the page cache first
 (``posix_fadvise(POSIX_FADV_DONTNEED)``), while A "finishes its requests"
 for ``--busy-s`` seconds; without read-ahead, and with the agent's
-read-ahead (:class:`rolemesh.readahead.ReadAhead`, as ``Node.acquire`` asks
+read-ahead (:class:`rolemesh.children.readahead.ReadAhead`, as ``Node.acquire`` asks
 for it when a request waits for a switch) started when the request arrives.
 Two targets: Gemma 3 270M (copied into the work directory, so that no other
 process maps the file and keeps its pages) when installed, and a generated
@@ -112,7 +112,7 @@ def direct_cold_start(argv: List[str], port: int, served_name: str, poll: float,
 
 def wrapper_startup(rounds: int = 5) -> float:
     """Median seconds the exec wrapper (``python -S -E child_exec.py``) adds before exec."""
-    from rolemesh.supervisor import wrap_argv
+    from rolemesh.children.supervisor import wrap_argv
 
     true = shutil.which("true") or "/bin/true"
     times = []
@@ -131,10 +131,10 @@ async def bench(reactor: Any, args: argparse.Namespace, workdir: str, cleanups: 
     from twisted.internet import defer
 
     from rolemesh.backends.cpu import CpuBackend
-    from rolemesh.config import validate
-    from rolemesh.llama_args import build_argv
-    from rolemesh.pidfiles import PidFiles
-    from rolemesh.supervisor import STARTING, DeviceSupervisor
+    from rolemesh.children.llama_args import build_argv
+    from rolemesh.children.pidfiles import PidFiles
+    from rolemesh.children.supervisor import STARTING, DeviceSupervisor
+    from rolemesh.config.file import validate
     from tests.fixtures.llama import free_port, llama_server_binary
     from tests.fixtures.tiny_gguf import write_tiny_gguf
 
@@ -289,10 +289,10 @@ async def cold_bench(reactor: Any, args: argparse.Namespace, workdir: str, clean
     from twisted.internet import task
 
     from rolemesh.backends.cpu import CpuBackend
-    from rolemesh.config import validate
-    from rolemesh.pidfiles import PidFiles
-    from rolemesh.readahead import ReadAhead, evict, files_of
-    from rolemesh.supervisor import DeviceSupervisor
+    from rolemesh.children.pidfiles import PidFiles
+    from rolemesh.children.readahead import ReadAhead, evict, files_of
+    from rolemesh.children.supervisor import DeviceSupervisor
+    from rolemesh.config.file import validate
     from tests.fixtures.llama import llama_server_binary
     from tests.fixtures.tiny_gguf import write_tiny_gguf
 
@@ -391,7 +391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from twisted.internet import defer, reactor
     from twisted.logger import globalLogBeginner
 
-    from rolemesh.logs import make_observer
+    from rolemesh.base.logs import make_observer
 
     workdir = tempfile.mkdtemp(prefix="rolemesh-switch-bench-")
     # Log as the agent does (text, info level), so the cost of child-output logging is in the figures.

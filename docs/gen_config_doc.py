@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Print the configuration key tables that ``docs/configuration.md`` holds.
 
-The tables come from ``rolemesh.config.TOP_LEVEL_KEYS`` and ``MODEL_KEYS``,
+The tables come from ``rolemesh.config.file.TOP_LEVEL_KEYS`` and ``MODEL_KEYS``,
 which are read off the key declarations (``key(...)`` / ``derived(...)``
 fields of ``NodeConfig`` and ``ModelConfig``): one declaration per key gives
 its check, its record default and its row here.  After changing a
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, ROOT)
 
-from rolemesh.config import MODEL_KEYS, TOP_LEVEL_KEYS, KeyDoc  # noqa: E402
+from rolemesh.config.file import MODEL_KEYS, TOP_LEVEL_KEYS, KeyDoc  # noqa: E402
 
 HEADER = ("key", "type", "default", "meaning")
 

@@ -20,10 +20,10 @@ import yaml
 
 from rolemesh import __version__
 from rolemesh.backends.groups import group_name, pin_child
-from rolemesh.config import NodeConfig, as_dict, load_config
-from rolemesh.devices import DeviceRef
-from rolemesh.errors import ConfigError
-from rolemesh.llama_args import build_argv
+from rolemesh.base.devices import DeviceRef
+from rolemesh.base.errors import ConfigError
+from rolemesh.children.llama_args import build_argv
+from rolemesh.config.file import NodeConfig, as_dict, load_config
 
 PROG = "rolemesh-node-agent"
 
@@ -86,7 +86,8 @@ def check_report(config: NodeConfig, out: TextIO) -> None:
 def template_report(config: NodeConfig, out: TextIO) -> None:
     """Which chat template each model uses (the field, the GGUF's own, or
     llama-server's ChatML fallback), and what the models folder left out."""
-    from rolemesh import chat_templates, models_dir
+    from rolemesh.children import chat_templates
+    from rolemesh.config import models_dir
 
     out.write("\n# chat template per model\n")
     for model in config.models:
@@ -111,7 +112,14 @@ def slot_warnings(config: NodeConfig) -> List[str]:
 def memory_report(config: NodeConfig, backend: str, devices: Sequence[DeviceRef], out: TextIO) -> None:
     """Each model's memory estimate and the devices/groups that can hold it;
     a model that none can ever hold is a warning naming it."""
-    from rolemesh.estimate import EstimateError, capacity_of, estimate_on, gib, read_adapter_facts, read_facts
+    from rolemesh.scheduling.estimate import (
+        EstimateError,
+        capacity_of,
+        estimate_on,
+        gib,
+        read_adapter_facts,
+        read_facts,
+    )
 
     by_name = {d.name: d for d in devices}
     reserve = config.device_memory_reserve_bytes
@@ -147,7 +155,7 @@ def memory_report(config: NodeConfig, backend: str, devices: Sequence[DeviceRef]
 def tls_report(config: NodeConfig) -> List[str]:
     """Check the TLS files (readable, key matches certificate, not expired);
     one line per fact, never key material.  Raises ConfigError."""
-    from rolemesh.tls import check_client_files, check_server_files
+    from rolemesh.config.tls import check_client_files, check_server_files
 
     lines = check_server_files(config.tls) if config.tls is not None else ["listener: plain HTTP (no tls_cert_file)"]
     if (config.dispatcher_base_url or "").startswith("https://"):
@@ -194,12 +202,12 @@ def run(config: NodeConfig, config_paths: Tuple[Optional[str], Optional[str]] = 
     from twisted.internet import reactor
     from twisted.logger import Logger, globalLogBeginner
 
-    from rolemesh.interfaces import IAgentReactor
-    from rolemesh.logs import make_observer
+    from rolemesh.base.interfaces import IAgentReactor
+    from rolemesh.base.logs import make_observer
     from rolemesh.service import make_service
 
     # Twisted types the global reactor with the interfaces every platform has;
-    # the POSIX reactors provide the rest too (tests/test_reactor.py).
+    # the POSIX reactors provide the rest too (tests/event_loop/test_reactor.py).
     agent_reactor = cast(IAgentReactor, reactor)
     service = make_service(config, reactor=agent_reactor, config_paths=config_paths,  # ConfigError: exit 2
                            reload_overrides=overrides, model_files=model_files)

@@ -42,29 +42,30 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from rolemesh import __version__, llama_build
-from rolemesh.api import NodeAPI
+from rolemesh import __version__
+from rolemesh.api.app import NodeAPI
+from rolemesh.api.metrics import NodeMetrics
+from rolemesh.api.readiness import Readiness, decide
 from rolemesh.backends import BackendUnavailable
 from rolemesh.backends.groups import groups_of
-from rolemesh.config import NodeConfig, load_config
-from rolemesh.devices import DeviceRef
-from rolemesh.dispatcher import DispatcherClient
-from rolemesh.errors import ConfigError
-from rolemesh.estimate import AdapterFacts, EstimateError, GGUFFacts, read_adapter_facts, read_facts
+from rolemesh.base.devices import DeviceRef
+from rolemesh.base.errors import ConfigError
+from rolemesh.base.interfaces import IAgentReactor, IBackendReactor, IDeviceBackend
+from rolemesh.children import llama_build
+from rolemesh.children.pidfiles import PidFiles, StateDirLock
+from rolemesh.children.supervisor import FAILED, STOPPED, DeviceSupervisor
+from rolemesh.config.file import NodeConfig, load_config
+from rolemesh.config.tls import ServerTLS, dispatcher_tls_policy
 from rolemesh.event_loop.reactor import UsesReactor
-from rolemesh.interfaces import IAgentReactor, IBackendReactor, IDeviceBackend
-from rolemesh.listener import GuardedSite, listening_service
-from rolemesh.metrics import NodeMetrics
-from rolemesh.node import Node
-from rolemesh.payloads import heartbeat_payload, registration_payload
-from rolemesh.pidfiles import PidFiles, StateDirLock
-from rolemesh.proxy import Proxy
-from rolemesh.readiness import Readiness, decide
-from rolemesh.reload import Reloader, ReloadResult
-from rolemesh.request_head import lax_parser
-from rolemesh.supervisor import FAILED, STOPPED, DeviceSupervisor
+from rolemesh.fleet.dispatcher import DispatcherClient
+from rolemesh.http.listener import GuardedSite, listening_service
+from rolemesh.http.proxy import Proxy
+from rolemesh.http.request_head import lax_parser
+from rolemesh.node.node import Node
+from rolemesh.node.payloads import heartbeat_payload, registration_payload
+from rolemesh.node.reload import Reloader, ReloadResult
+from rolemesh.scheduling.estimate import AdapterFacts, EstimateError, GGUFFacts, read_adapter_facts, read_facts
 from rolemesh.systemd import SystemdNotifier, status_line
-from rolemesh.tls import ServerTLS, dispatcher_tls_policy
 
 log = Logger()
 
@@ -170,7 +171,7 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
         #: The HTTP API (its request records are flushed at shutdown).
         self.api: Optional[NodeAPI] = None
         self.dispatcher: Optional[DispatcherClient] = None
-        #: The listener's :class:`~rolemesh.tls.ServerTLS` (None for plain
+        #: The listener's :class:`~rolemesh.config.tls.ServerTLS` (None for plain
         #: HTTP); ``tls.reload()`` rotates the certificate.
         self.tls: Optional[ServerTLS] = None
         self._reactor = reactor
@@ -275,7 +276,7 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
             pass
 
     def reload(self, why: str = "requested") -> ReloadResult:
-        """Re-read and apply the config files; see :mod:`rolemesh.reload`."""
+        """Re-read and apply the config files; see :mod:`rolemesh.node.reload`."""
         if self.reloader is None:
             return ReloadResult(False, "reload: not available in this agent")
         if self._stopping is not None:
@@ -283,7 +284,7 @@ class NodeAgentService(MultiService, UsesReactor[IAgentReactor]):
         return self.reloader.reload(why)
 
     def readiness(self) -> Readiness:
-        """What ``GET /ready`` answers; see :mod:`rolemesh.readiness`."""
+        """What ``GET /ready`` answers; see :mod:`rolemesh.api.readiness`."""
         listener = self.listener
         dispatcher = self.dispatcher
         return decide(

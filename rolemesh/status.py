@@ -28,7 +28,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
-from rolemesh.errors import ConfigError
+from rolemesh.base.errors import ConfigError
 
 PROG = "rolemesh-node-agent status"
 
@@ -201,7 +201,7 @@ ADDRESS_KEYS = ("listen", "listen_host", "listen_port", "api_key", "api_key_env"
 
 def address_config(path: str, override_path: Optional[str] = None) -> Any:
     """The config at ``path`` (with ``override_path`` merged over it), reduced to :data:`ADDRESS_KEYS`."""
-    from rolemesh.config import check_environment, deep_merge, load_yaml, parse
+    from rolemesh.config.file import check_environment, deep_merge, load_yaml, parse
 
     raw = load_yaml(path)
     if override_path:

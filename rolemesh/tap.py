@@ -6,9 +6,9 @@ import sys
 
 from twisted.python import usage
 
+from rolemesh.base.errors import ConfigError
 from rolemesh.cli import PROG
-from rolemesh.config import NodeConfig, load_config
-from rolemesh.errors import ConfigError
+from rolemesh.config.file import NodeConfig, load_config
 
 
 class Options(usage.Options):
@@ -38,7 +38,7 @@ class Options(usage.Options):
         # twistd owns logging: hand it our JSON observer unless --logger was given.
         parent = getattr(self, "parent", None)
         if log_format == "json" and parent is not None and parent.get("logger") is None:
-            parent["logger"] = "rolemesh.logs.json_logger"
+            parent["logger"] = "rolemesh.base.logs.json_logger"
 
 
 def makeService(options: Options):  # noqa: N802 - twistd's name

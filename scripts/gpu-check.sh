@@ -37,7 +37,7 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 say "recording nvidia-smi and NVML"
 "$py" -m tests.fixtures.record_nvidia "$out" > "$out/record.log" 2>&1 || say "recording failed: see record.log"
 
-bin=${ROLEMESH_TEST_LLAMA_SERVER:-$("$py" -c 'from rolemesh.llama_build import bundled_binary; print(bundled_binary() or "")')}
+bin=${ROLEMESH_TEST_LLAMA_SERVER:-$("$py" -c 'from rolemesh.children.llama_build import bundled_binary; print(bundled_binary() or "")')}
 say "llama-server: ${bin:-none}"
 if [ -n "$bin" ]; then
     {

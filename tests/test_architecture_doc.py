@@ -12,7 +12,7 @@ from typing import List, Tuple
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.supervisor import CHILD_STATE, COUNTED_EVENTS
+from rolemesh.children.supervisor import CHILD_STATE, COUNTED_EVENTS
 
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "architecture.md")
 
@@ -30,23 +30,26 @@ def supervisor_section() -> str:
 def node_parts() -> List[Tuple[str, str]]:
     """(class, module) of each part the node diagram names."""
     diagram = section("The node's parts").split("```")[1]
-    return re.findall(r"^[│├└─\s]*(\w+)(?: \.\.\.)?\s+rolemesh/(\w+)\.py", diagram, re.MULTILINE)
+    found = re.findall(r"^[│├└─\s]*(\w+)(?: \.\.\.)?\s+rolemesh/([\w/]+)\.py", diagram, re.MULTILINE)
+    return [(name, module.replace("/", ".")) for name, module in found]
 
 
-#: The modules cut out of rolemesh/node.py (issue 30): none imports it.
-NODE_PART_MODULES = ("placement", "admission", "leases", "drain", "device_timers", "device_sampling", "node_views")
+#: The modules cut out of rolemesh/node/node.py (issue 30): none imports it.
+NODE_PART_MODULES = ("scheduling.placement", "node.admission", "node.leases", "node.drain", "node.timers",
+                     "node.sampling", "node.views")
 
 
 class NodePartsDocTests(SynchronousTestCase):
     def test_each_part_lives_in_the_module_the_diagram_names(self) -> None:
         parts = node_parts()
-        self.assertEqual(parts[0], ("Node", "node"))
+        self.assertEqual(parts[0], ("Node", "node.node"))
         self.assertGreaterEqual(len(parts), 15, parts)
         for name, module in parts:
-            self.assertTrue(hasattr(importlib.import_module(f"rolemesh.{module}"), name), (name, module))
+            found = importlib.import_module("rolemesh." + module.replace("/", "."))
+            self.assertTrue(hasattr(found, name), (name, module))
 
     def test_the_diagram_names_every_part_a_node_has(self) -> None:
-        from tests.test_node import NodeHarness
+        from tests.node.test_node import NodeHarness
 
         node = NodeHarness(devices=2).node
         named = {(name, module) for name, module in node_parts()}
@@ -58,23 +61,26 @@ class NodePartsDocTests(SynchronousTestCase):
     def test_no_part_cut_out_of_the_node_imports_it(self) -> None:
         root = os.path.join(os.path.dirname(__file__), os.pardir, "rolemesh")
         for module in NODE_PART_MODULES:
-            with open(os.path.join(root, f"{module}.py"), encoding="utf-8") as f:
+            with open(os.path.join(root, *module.split(".")) + ".py", encoding="utf-8") as f:
                 tree = ast.parse(f.read())
             imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+            imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                         for a in n.names}
             imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-            self.assertNotIn("rolemesh.node", imported, module)
+            self.assertNotIn("rolemesh.node.node", imported, module)
             self.assertIn(module, {m for _, m in node_parts()}, "shown in the diagram")
 
 
 class SupervisorPartsDocTests(SynchronousTestCase):
     def test_each_part_lives_in_the_module_the_diagram_names(self) -> None:
         diagram = supervisor_section().split("```")[1]
-        parts = re.findall(r"(\w+)(?:: Events)?[\s─┐◀┘]+rolemesh/(\w+)\.py", diagram)
+        parts = re.findall(r"(\w+)(?:: Events)?[\s─┐◀┘]+rolemesh/([\w/]+)\.py", diagram)
         self.assertEqual(len(parts), 14, parts)
         for name, module in parts:
             if name == "events":
                 name = "Events"
-            self.assertTrue(hasattr(importlib.import_module(f"rolemesh.{module}"), name), (name, module))
+            found = importlib.import_module("rolemesh." + module.replace("/", "."))
+            self.assertTrue(hasattr(found, name), (name, module))
 
     def test_the_events_listed_are_the_ones_emitted(self) -> None:
         diagram = supervisor_section().split("```")[1]
@@ -86,7 +92,8 @@ class SupervisorPartsDocTests(SynchronousTestCase):
 class DispatcherPartsDocTests(SynchronousTestCase):
     def test_each_part_lives_in_the_module_the_diagram_names(self) -> None:
         diagram = section("The dispatcher client's parts").split("```")[1]
-        parts = re.findall(r"(\w+)[\s─├└│]+rolemesh/(\w+)\.py", diagram)
+        parts = re.findall(r"(\w+)[\s─├└│]+rolemesh/([\w/]+)\.py", diagram)
         self.assertEqual(len(parts), 5, parts)
         for name, module in parts:
-            self.assertTrue(hasattr(importlib.import_module(f"rolemesh.{module}"), name), (name, module))
+            found = importlib.import_module("rolemesh." + module.replace("/", "."))
+            self.assertTrue(hasattr(found, name), (name, module))

@@ -12,8 +12,8 @@ from typing import List, Tuple
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh import cli
-from rolemesh.config import load_config, model_id_of, with_model_files
-from rolemesh.errors import ConfigError
+from rolemesh.base.errors import ConfigError
+from rolemesh.config.file import load_config, model_id_of, with_model_files
 
 
 class Files(SynchronousTestCase):

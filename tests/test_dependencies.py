@@ -2,7 +2,7 @@
 
 ``gguf`` (and numpy with it) is a test dependency only: the memory
 estimate reads GGUF headers itself and keeps ggml's block sizes in
-:data:`rolemesh.estimate.GGML_BLOCK_SIZES`, checked here against the
+:data:`rolemesh.scheduling.estimate.GGML_BLOCK_SIZES`, checked here against the
 ``gguf`` package's own table.  Nothing in ``rolemesh/`` imports either, not
 even lazily inside a function, and a process that imports every module and
 reads a GGUF's header does not load them.
@@ -18,7 +18,7 @@ import sys
 import gguf
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.estimate import GGML_BLOCK_SIZES
+from rolemesh.scheduling.estimate import GGML_BLOCK_SIZES
 from tests.fixtures.tiny_gguf import write_tiny_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +50,8 @@ class BlockSizeTableTests(SynchronousTestCase):
     def test_every_ggml_type_gguf_knows_has_its_block_size(self) -> None:
         for qtype, sizes in gguf.GGML_QUANT_SIZES.items():
             self.assertIn(int(qtype), GGML_BLOCK_SIZES,
-                          f"ggml type {qtype.name} ({int(qtype)}) is missing from rolemesh.estimate.GGML_BLOCK_SIZES")
+                          f"ggml type {qtype.name} ({int(qtype)}) is missing from "
+                          "rolemesh.scheduling.estimate.GGML_BLOCK_SIZES")
             self.assertEqual(GGML_BLOCK_SIZES[int(qtype)], tuple(sizes), qtype.name)
 
     def test_every_type_of_the_table_is_ggml_s(self) -> None:
@@ -80,8 +81,8 @@ class NoTestOnlyImportsTests(SynchronousTestCase):
             "import importlib, sys\n"
             f"for name in {modules!r}:\n"
             "    importlib.import_module(name)\n"
-            "from rolemesh.config import ModelConfig\n"
-            "from rolemesh.estimate import estimate, read_facts\n"
+            "from rolemesh.config.file import ModelConfig\n"
+            "from rolemesh.scheduling.estimate import estimate, read_facts\n"
             f"facts = read_facts({model!r})\n"
             f"assert estimate(facts, ModelConfig(model_id='tiny', path={model!r})).weights_bytes > 0\n"
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {TEST_ONLY!r}))\n"

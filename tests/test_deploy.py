@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 import yaml
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from rolemesh.config import NodeConfig, deep_merge, validate
+from rolemesh.config.file import NodeConfig, deep_merge, validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KUBE = os.path.join(REPO, "deploy", "kubernetes")

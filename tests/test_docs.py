@@ -20,9 +20,9 @@ import attr
 import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.config import MODEL_KEYS, TOP_LEVEL_KEYS, ModelConfig, NodeConfig, deep_merge, validate
-from rolemesh.errors import ConfigError
-from rolemesh.llama_args import build_argv
+from rolemesh.base.errors import ConfigError
+from rolemesh.children.llama_args import build_argv
+from rolemesh.config.file import MODEL_KEYS, TOP_LEVEL_KEYS, ModelConfig, NodeConfig, deep_merge, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "configuration.md")

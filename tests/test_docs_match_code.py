@@ -17,8 +17,8 @@ from typing import Set
 from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.logs import event_as_json
-from tests.test_api import CHAT, ApiHarness
+from rolemesh.base.logs import event_as_json
+from tests.api.test_app import CHAT, ApiHarness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_DOC = os.path.join(ROOT, "docs", "api.md")

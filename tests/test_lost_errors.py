@@ -10,9 +10,9 @@ from twisted.internet import defer
 from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.dispatcher import REGISTERED
-from tests.service_harness import ServiceHarness
-from tests.test_dispatcher import Harness
+from rolemesh.fleet.dispatcher import REGISTERED
+from tests.fixtures.service_harness import ServiceHarness
+from tests.fleet.test_dispatcher import Harness
 
 
 def text_of(events: List[dict]) -> str:

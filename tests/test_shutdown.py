@@ -11,9 +11,9 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
 import rolemesh.service
-from rolemesh.config import validate
+from rolemesh.config.file import validate
 from rolemesh.service import SHUTDOWN_MARGIN_S, SHUTDOWN_OVERDUE_EXIT, kernel_state, shutdown_deadline
-from tests.service_harness import ServiceHarness
+from tests.fixtures.service_harness import ServiceHarness
 
 
 class DeadlineTests(SynchronousTestCase):

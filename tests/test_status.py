@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh import cli, status
-from rolemesh.config import validate
+from rolemesh.config.file import validate
 
 ANSWER: Dict[str, Any] = {
     "url": "http://127.0.0.1:8090",

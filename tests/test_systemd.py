@@ -27,7 +27,7 @@ from rolemesh.systemd import (
     status_line,
     watchdog_interval,
 )
-from tests.service_harness import ServiceHarness
+from tests.fixtures.service_harness import ServiceHarness
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNIT = os.path.join(REPO, "deploy", "systemd", "rolemesh-node.service")
@@ -296,7 +296,7 @@ class UnitFileTests(SynchronousTestCase):
         self.assertEqual(self.one("ExecReload"), "/bin/kill -HUP $MAINPID")
 
     def test_stop_timeout_covers_the_drain(self) -> None:
-        from rolemesh.config import NodeConfig
+        from rolemesh.config.file import NodeConfig
 
         defaults = NodeConfig(node_id="x")
         drain = defaults.shutdown_grace_s + defaults.llama_server_stop_timeout_s

@@ -77,7 +77,7 @@ class OptionsTests(TapTestCase):
         parent: Dict[str, Any] = {"logger": None}
         options = self.parse(["--config", self.base(), "--log-format", "json"], parent=parent)
         self.assertEqual(options.config.log_format, "json")
-        self.assertEqual(parent["logger"], "rolemesh.logs.json_logger")
+        self.assertEqual(parent["logger"], "rolemesh.base.logs.json_logger")
 
     def test_an_explicit_twistd_logger_is_kept(self) -> None:
         parent: Dict[str, Any] = {"logger": "my.logger"}

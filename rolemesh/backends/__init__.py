@@ -1,5 +1,5 @@
 """Device backends: one module per kind of hardware, each an
-:class:`~rolemesh.interfaces.IDeviceBackend` provider."""
+:class:`~rolemesh.base.interfaces.IDeviceBackend` provider."""
 
 from __future__ import annotations
 

@@ -29,9 +29,9 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
 from rolemesh.backends import BackendUnavailable
-from rolemesh.devices import DeviceMetrics, DeviceRef
+from rolemesh.base.devices import DeviceMetrics, DeviceRef
+from rolemesh.base.interfaces import IBackendReactor
 from rolemesh.event_loop.reactor import UsesReactor
-from rolemesh.interfaces import IBackendReactor
 
 #: What a tool run gives back: exit status, standard output, standard error.
 Result = Tuple[int, str, str]

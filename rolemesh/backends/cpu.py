@@ -18,10 +18,10 @@ from twisted.internet.interfaces import IReactorTime
 from zope.interface import implementer
 
 from rolemesh.backends import BackendUnavailable
-from rolemesh.config import CpuDevices, check_cpu_devices
-from rolemesh.devices import DeviceMetrics, DeviceRef
+from rolemesh.base.devices import DeviceMetrics, DeviceRef
+from rolemesh.base.interfaces import IDeviceBackend
+from rolemesh.config.file import CpuDevices, check_cpu_devices
 from rolemesh.event_loop.reactor import UsesReactor
-from rolemesh.interfaces import IDeviceBackend
 
 
 def parse_meminfo(text: str) -> Dict[str, int]:

@@ -41,8 +41,8 @@ from rolemesh.backends.commands import (
     run_async,
     run_sync,
 )
-from rolemesh.devices import DeviceMetrics, DeviceRef
-from rolemesh.interfaces import IBackendReactor, IDeviceBackend
+from rolemesh.base.devices import DeviceMetrics, DeviceRef
+from rolemesh.base.interfaces import IBackendReactor, IDeviceBackend
 
 NVIDIA_SMI_FIELDS = (
     "index",

@@ -27,10 +27,10 @@ from rolemesh.backends.commands import (
     checked,
     run_sync,
 )
-from rolemesh.config import BACKEND_NAMES, CpuDevices
-from rolemesh.devices import DeviceRef
-from rolemesh.errors import ConfigError
-from rolemesh.interfaces import IBackendReactor, IDeviceBackend
+from rolemesh.base.devices import DeviceRef
+from rolemesh.base.errors import ConfigError
+from rolemesh.base.interfaces import IBackendReactor, IDeviceBackend
+from rolemesh.config.file import BACKEND_NAMES, CpuDevices
 
 #: PCI vendor id -> the backend its GPUs want, in the order auto-detection prefers them.
 VENDOR_BACKENDS = ((0x10DE, "cuda"), (0x1002, "rocm"), (0x8086, "sycl"))

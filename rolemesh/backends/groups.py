@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from rolemesh.backends.cpu import cpu_mask, cpu_range
-from rolemesh.devices import DeviceRef
-from rolemesh.interfaces import IDeviceBackend
+from rolemesh.base.devices import DeviceRef
+from rolemesh.base.interfaces import IDeviceBackend
 
 #: Separates member names in a group's name: ``cuda:0+cuda:1``.
 GROUP_SEPARATOR = "+"

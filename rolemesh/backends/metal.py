@@ -22,8 +22,8 @@ from rolemesh.backends.commands import (
     first_line,
     load_json,
 )
-from rolemesh.devices import DeviceMetrics, DeviceRef
-from rolemesh.interfaces import IBackendReactor, IDeviceBackend
+from rolemesh.base.devices import DeviceMetrics, DeviceRef
+from rolemesh.base.interfaces import IBackendReactor, IDeviceBackend
 
 SYSTEM_PROFILER = ("system_profiler", "SPDisplaysDataType", "-json")
 SYSCTL_MEMSIZE = ("sysctl", "-n", "hw.memsize")

@@ -33,8 +33,8 @@ from rolemesh.backends.commands import (
     match_readings,
     number,
 )
-from rolemesh.devices import DeviceMetrics, DeviceRef
-from rolemesh.interfaces import IDeviceBackend
+from rolemesh.base.devices import DeviceMetrics, DeviceRef
+from rolemesh.base.interfaces import IDeviceBackend
 
 AMD_SMI_STATIC = ("amd-smi", "static", "--json")
 AMD_SMI_METRIC = ("amd-smi", "metric", "--json")

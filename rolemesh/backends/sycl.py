@@ -33,8 +33,8 @@ from rolemesh.backends.commands import (
     match_readings,
     number,
 )
-from rolemesh.devices import DeviceMetrics, DeviceRef
-from rolemesh.interfaces import IBackendReactor, IDeviceBackend
+from rolemesh.base.devices import DeviceMetrics, DeviceRef
+from rolemesh.base.interfaces import IBackendReactor, IDeviceBackend
 
 SYCL_LS = ("sycl-ls",)
 XPU_SMI_DISCOVERY = ("xpu-smi", "discovery", "-j")

@@ -33,8 +33,8 @@ from rolemesh.backends.commands import (
     checked,
     first_line,
 )
-from rolemesh.devices import DeviceMetrics, DeviceRef
-from rolemesh.interfaces import IBackendReactor, IDeviceBackend
+from rolemesh.base.devices import DeviceMetrics, DeviceRef
+from rolemesh.base.interfaces import IBackendReactor, IDeviceBackend
 
 VULKANINFO_SUMMARY = ("vulkaninfo", "--summary")
 VULKANINFO_FULL = ("vulkaninfo",)

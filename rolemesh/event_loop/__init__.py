@@ -5,7 +5,7 @@ the agent installs, and every Twisted internal the agent relies on.
   fall-back to the global one (``resolve_reactor``, ``UsesReactor``); the
   one place library code looks the global reactor up;
 - :mod:`rolemesh.event_loop.twisted_compat`: the wrappers of Twisted's
-  internals, each checked by ``tests/test_twisted_compat.py``, among them
+  internals, each checked by ``tests/event_loop/test_twisted_compat.py``, among them
   the agent's reactor class, ``AgentEPollReactor``;
 - :func:`install`, here: installs that reactor.  ``rolemesh-node-agent``
   calls it; twistd's ``--reactor rolemesh-epoll`` names this package.

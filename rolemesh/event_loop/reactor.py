@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Generic, Optional, TypeVar, cast
 
-#: The interface (or set of them, see :mod:`rolemesh.interfaces`) a part
+#: The interface (or set of them, see :mod:`rolemesh.base.interfaces`) a part
 #: needs from its reactor.
 ReactorT = TypeVar("ReactorT")
 

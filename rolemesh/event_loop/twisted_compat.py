@@ -1,7 +1,7 @@
 """Every Twisted internal the agent relies on, in one place.
 
 Twisted has no public API for these facts; each wrapper says why it is
-needed.  ``tests/test_twisted_compat.py`` checks each against the installed
+needed.  ``tests/event_loop/test_twisted_compat.py`` checks each against the installed
 Twisted, so a release that renames one fails those tests loudly instead of
 the agent quietly doing the wrong thing.  Everything else in the agent uses
 public Twisted API only (``tox -e oldest,newest`` runs the tests on both
@@ -23,7 +23,7 @@ from twisted.python.failure import Failure
 from twisted.web._newclient import RequestNotSent  # not in twisted.web.client.__all__
 from twisted.web.client import HTTPConnectionPool, RequestTransmissionFailed, ResponseNeverReceived
 
-from rolemesh.interfaces import ProxiedRequest
+from rolemesh.base.interfaces import ProxiedRequest
 
 #: Failures of an HTTP request that llama-server cannot have acted on: the
 #: request was not sent, or not completely, or the connection closed before
@@ -122,7 +122,7 @@ if _EPollReactor is not None:
         context (see :mod:`rolemesh.event_loop`): Twisted's ``doPoll`` with
         ``_doReadOrWrite`` called directly instead of through
         ``log.callWithLogger`` (checked against the installed Twisted's by
-        ``tests/test_twisted_compat.py``)."""
+        ``tests/event_loop/test_twisted_compat.py``)."""
 
         def doPoll(self, timeout: Optional[float]) -> None:  # noqa: N802 - Twisted's name
             if timeout is None:

@@ -1,8 +1,8 @@
-"""The fake dispatcher (:mod:`tests.fake_dispatcher`) over real HTTP, in its own process.
+"""The fake dispatcher (:mod:`tests.fixtures.fake_dispatcher`) over real HTTP, in its own process.
 
 Integration tests need a dispatcher that can really go away (connection
 refused) and come back as a fresh process that forgot every node, so this
-runs :class:`tests.fake_dispatcher.FakeDispatcher` in a process of its own::
+runs :class:`tests.fixtures.fake_dispatcher.FakeDispatcher` in a process of its own::
 
     python -m tests.integration.fake_dispatcher_server PORT [--token TOKEN] [--tls-cert CERT --tls-key KEY]
 
@@ -40,8 +40,8 @@ from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
 from klein import Klein
 
-from rolemesh.dispatcher import DEREGISTER_PATH, EVENTS_PATH, HEARTBEAT_PATH, REGISTER_PATH
-from tests.fake_dispatcher import FakeDispatcher, Received
+from rolemesh.fleet.dispatcher import DEREGISTER_PATH, EVENTS_PATH, HEARTBEAT_PATH, REGISTER_PATH
+from tests.fixtures.fake_dispatcher import FakeDispatcher, Received
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,5 +1,5 @@
 """Two listeners on one app, for the differential fuzzer: the agent's own
-(:class:`~rolemesh.listener.GuardedSite`, with fast routes) and plain
+(:class:`~rolemesh.http.listener.GuardedSite`, with fast routes) and plain
 twisted.web's ``Site``, the library it replaced.
 
 Run as ``python tests/integration/http_pair_server.py``: prints
@@ -18,7 +18,7 @@ from twisted.internet.protocol import Protocol
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
-from rolemesh.listener import GuardedSite
+from rolemesh.http.listener import GuardedSite
 
 
 def describe(method: bytes, path: bytes, body: bytes) -> bytes:

@@ -43,8 +43,8 @@ from rolemesh.backends.cuda import (
     nvml_readings,
     parse_nvidia_smi_csv,
 )
-from rolemesh.estimate import RUNTIME_BYTES
-from rolemesh.llama_build import ListedDevice, check_gpu_support, parse_list_devices
+from rolemesh.children.llama_build import ListedDevice, check_gpu_support, parse_list_devices
+from rolemesh.scheduling.estimate import RUNTIME_BYTES
 from tests.fixtures.llama import LLAMA_SERVER_ENV, llama_server_binary
 from tests.fixtures.tiny_gguf import write_tiny_gguf
 from tests.integration.harness import AgentProcess, Stream, require_llama_server, wait_until

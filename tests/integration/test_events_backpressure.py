@@ -13,10 +13,10 @@ from twisted.internet import reactor, task
 from twisted.internet.defer import inlineCallbacks
 from twisted.trial.unittest import TestCase
 
-from rolemesh import node_events as ne
-from rolemesh.api_node import SSE_MAX_BACKLOG
-from rolemesh.listener import GuardedSite
-from tests.test_api import ApiHarness
+from rolemesh.api.node_routes import SSE_MAX_BACKLOG
+from rolemesh.http.listener import GuardedSite
+from rolemesh.node import feed as ne
+from tests.api.test_app import ApiHarness
 
 KEY = "k-backpressure"
 

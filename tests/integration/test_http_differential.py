@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.request_head import READ_FIELDS
+from rolemesh.http.request_head import READ_FIELDS
 from tests.integration.raw_http import Answers, exchange, final
 
 EXAMPLES = int(os.environ.get("ROLEMESH_DIFF_EXAMPLES", "60"))

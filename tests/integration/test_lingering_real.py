@@ -18,7 +18,7 @@ from typing import Dict, List
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh import lingering
+from rolemesh.http import lingering
 from tests.integration.harness import AgentProcess, require_llama_server, shared_agent
 from tests.integration.test_listener_bytes import rss_bytes
 

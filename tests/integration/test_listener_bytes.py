@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.request_head import READ_FIELDS
+from rolemesh.http.request_head import READ_FIELDS
 from tests.integration.harness import AgentProcess, require_llama_server, shared_agent
 from tests.integration.raw_http import Answers, exchange, final
 

@@ -18,7 +18,7 @@ import sys
 import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh import diagnosis
+from rolemesh.children import diagnosis
 from tests.fixtures.llama import free_port
 from tests.integration.harness import AgentProcess, pid_alive, require_llama_server, tiny_model, wait_until
 

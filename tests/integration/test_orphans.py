@@ -1,6 +1,6 @@
 """An agent that is SIGKILLed (the OOM killer, ``kill -9``, a crashed
 container runtime) runs no shutdown code at all: its llama-server children
-must still go, by the kernel's parent-death signal (rolemesh.child_exec)."""
+must still go, by the kernel's parent-death signal (rolemesh.children.wrapper)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ from typing import Tuple
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.api.test_route_keys import route_key_table
 from tests.integration.harness import AgentProcess, require_llama_server, tiny_model
-from tests.test_route_keys import route_key_table
 
 KEY = "route-key"
 

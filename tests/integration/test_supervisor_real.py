@@ -10,11 +10,11 @@ import treq
 from twisted.internet import defer, reactor
 from twisted.trial.unittest import TestCase
 
-from rolemesh import errors
 from rolemesh.backends.cpu import CpuBackend
-from rolemesh.config import validate
-from rolemesh.pidfiles import PidFiles
-from rolemesh.supervisor import FAILED, READY, STOPPED, DeviceSupervisor
+from rolemesh.base import errors
+from rolemesh.children.pidfiles import PidFiles
+from rolemesh.children.supervisor import FAILED, READY, STOPPED, DeviceSupervisor
+from rolemesh.config.file import validate
 from tests.integration.harness import (
     corrupt_model,
     pid_alive,

@@ -19,13 +19,13 @@ import jsonschema
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.trial.unittest import SynchronousTestCase
 
+from rolemesh.children.telemetry import load_progress
 from rolemesh.schemas import load_schema
-from rolemesh.telemetry import load_progress
+from tests.children.test_telemetry import NO_PROMTOOL, alert_exprs, dashboard_exprs, exported_series, series_in
 from tests.fixtures.llama import free_port
 from tests.fixtures.tiny_gguf import write_tiny_gguf
 from tests.integration.fake_dispatcher_server import FakeDispatcherProcess
 from tests.integration.harness import AgentProcess, Stream, require_llama_server, wait_until
-from tests.test_telemetry import NO_PROMTOOL, alert_exprs, dashboard_exprs, exported_series, series_in
 
 DEVICE = "cpu:0"
 MODEL = "tiny-p"

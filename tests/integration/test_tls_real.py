@@ -1,7 +1,7 @@
 """TLS end to end: the agent as a process serving HTTPS, real clients, a real
 HTTPS fake dispatcher.
 
-Certificates come from :class:`tests.test_tls.Pki` (generated per test with
+Certificates come from :class:`tests.config.test_tls.Pki` (generated per test with
 ``cryptography``; no key is committed).  The model child is the fake
 llama-server except in the ``openai``-with-a-real-model test, which needs a
 real llama-server and a tiny generated GGUF.
@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Tuple
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.config.test_tls import Pki
 from tests.fixtures.llama import free_port, http_request
 from tests.integration.fake_dispatcher_server import FakeDispatcherProcess
 from tests.integration.harness import (
@@ -29,7 +30,6 @@ from tests.integration.harness import (
     wait_until,
     write_fake_llama_server_bin,
 )
-from tests.test_tls import Pki
 
 API_KEY = "tls-test-key"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
