@@ -179,12 +179,22 @@ class LeaseStarts(UsesReactor[IReactorTime]):
         if not ticket.evict:
             endpoint = supervisor.serving(model)
             if endpoint is not None:  # nearly every request: the child is ready, no Deferred to wait on
-                lease = Lease(ticket, endpoint, supervisor, self.release, model=model)
-                if request.result.called:  # cancelled meanwhile
-                    lease.release()
-                else:
-                    request.result.callback(lease)
+                self._hand_over(ticket, request, endpoint, supervisor, model)
                 return
+        self._load(ticket, request, supervisor, model, evicting)
+
+    def _hand_over(self, ticket: Ticket, request: Acquisition, endpoint: ChildEndpoint,
+                   supervisor: DeviceSupervisor, model: ModelConfig) -> None:
+        lease = Lease(ticket, endpoint, supervisor, self.release, model=model)
+        if request.result.called:  # cancelled meanwhile
+            lease.release()
+        else:
+            request.result.callback(lease)
+
+    def _load(self, ticket: Ticket, request: Acquisition, supervisor: DeviceSupervisor, model: ModelConfig,
+              evicting: Optional[Deferred]) -> None:
+        """Start ``model`` on the ticket's device (after the evicted children
+        stopped), then hand the lease over, or pass the failure on."""
 
         def load(result: Any) -> Any:
             if request.cancelled or request.result.called:  # gone while the evicted children stopped
@@ -192,13 +202,6 @@ class LeaseStarts(UsesReactor[IReactorTime]):
             return supervisor.ensure(model)
 
         request.loading = evicting.addBoth(load) if evicting is not None else supervisor.ensure(model)
-
-        def ready(endpoint: ChildEndpoint) -> None:
-            lease = Lease(ticket, endpoint, supervisor, self.release, model=model)
-            if request.result.called:  # cancelled meanwhile
-                lease.release()
-            else:
-                request.result.callback(lease)
 
         def failed(f: Failure) -> None:
             if supervisor.loading_or_loaded != model.model_id or ticket.model_id != model.model_id:
@@ -220,7 +223,9 @@ class LeaseStarts(UsesReactor[IReactorTime]):
             if not request.result.called:
                 request.result.errback(f)
 
-        request.loading.addCallbacks(ready, failed).addErrback(broken)
+        request.loading.addCallbacks(
+            lambda endpoint: self._hand_over(ticket, request, endpoint, supervisor, model), failed,
+        ).addErrback(broken)
 
     def release(self, lease: Lease) -> None:
         self._scheduler.finish(lease.ticket)

@@ -95,14 +95,13 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             [d.name for d in self.devices], config.max_pending_requests_per_device,
             lambda ticket: self.leases.start(ticket), groups=self.groups,
         )
-        current = self._current_config
         #: What a request's ``model`` names (rolemesh.node.names).
-        self.names = ModelNames(current, self.loaded_on)
-        books = self.scheduler.devices
+        self.names = ModelNames(self._current_config, self.loaded_on)
         #: The last device metrics sample per device (stale ones marked so).
         self.metrics: Dict[str, DeviceMetrics] = {}
         #: Lanes, memory estimates, capacity and fit.
-        self.placement = Placement(current, backend.name, self._current_devices, self.groups, self.metrics, books,
+        self.placement = Placement(self._current_config, backend.name, self._current_devices, self.groups,
+                                   self.metrics, self.scheduler.devices,
                                    facts=facts, read_facts=read_facts, read_adapter=read_adapter)
         #: GGUF header facts per model path, and per LoRA adapter path (the placement's).
         self.facts = self.placement.facts
@@ -110,16 +109,23 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         #: The node's events (queue_full, queue_timeout, queue_wait,
         #: idle_unload, child_state), for the metrics module.
         self.events = Events()
-        emit = self.events.emit
+        #: Start-up preloads not finished yet (``GET /ready`` waits for them).
+        self.preloading = 0
+        self._compose_request_path(reactor)
+        self._compose_observers(reactor, metrics_interval, telemetry_get)
+
+    def _compose_request_path(self, reactor: Optional[IHTTPClientReactor]) -> None:
+        """The parts a request goes through: admission, leases, drain, timers."""
+        current, draining, emit = self._current_config, self._is_draining, self.events.emit
+        books = self.scheduler.devices
         self.drainer = Drain(books, functools.partial(refuse_waiting, self.scheduler), emit, reactor=reactor)
-        draining = self._is_draining
         self.timers = DeviceTimers(self.supervisors, self.scheduler.is_idle,
                                    lambda model: self.config.idle_unload_for(model), lambda: bool(self.running),
                                    draining, emit, reactor=reactor)
         #: Reads a model's GGUF ahead while a switch to it waits (rolemesh.children.readahead).
         self.read_ahead = ReadAhead(lambda: self.reactor)
         #: Which device last served each prompt prefix (prefix affinity).
-        self.prefixes = PrefixMemory(config.prefix_memory_entries if config.prefix_affinity else 0)
+        self.prefixes = PrefixMemory(self.config.prefix_memory_entries if self.config.prefix_affinity else 0)
         #: Prompt tokens served from llama-server's cache vs processed, per (device, model).
         self.prompt_cache = PromptCacheTally()
         self.leases = LeaseStarts(self.scheduler, self.supervisors, current, draining, self._request_started,
@@ -131,8 +137,11 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
         self.adoption = ConfigAdoption(self.supervisors, self.scheduler, self.prefixes, current,
                                        self.placement.lanes_for, self.placement.forget, self.timers.cancel_idle,
                                        self.timers.arm_idle)
-        #: Start-up preloads not finished yet (``GET /ready`` waits for them).
-        self.preloading = 0
+
+    def _compose_observers(self, reactor: Optional[IHTTPClientReactor], metrics_interval: float,
+                           telemetry_get: Optional[Callable[..., Deferred]]) -> None:
+        """The parts that watch and show the node: telemetry, sampling, views, the feed."""
+        books = self.scheduler.devices
         #: The children's own telemetry, sampled on the metrics interval.
         self.telemetry = TelemetrySampler(self.supervisors, reactor=reactor, get=telemetry_get)
         self.sampler = DeviceSampler(
@@ -142,9 +151,9 @@ class Node(MultiService, UsesReactor[IHTTPClientReactor]):
             check_feed=lambda: self.feed.check(), sample_telemetry=lambda: self.telemetry.sample(),
             metrics=self.metrics, interval=metrics_interval, reactor=reactor)
         self.views = NodeViews(
-            current, backend.name, self._current_devices, self.supervisors, self.groups, self.scheduler, self.metrics,
-            self.placement, self.prefixes, lambda name: self.telemetry.latest(name), self.cache_hit_rates,
-            draining, reactor=reactor, prompt_cache=self.prompt_cache)
+            self._current_config, self.backend.name, self._current_devices, self.supervisors, self.groups,
+            self.scheduler, self.metrics, self.placement, self.prefixes, lambda name: self.telemetry.latest(name),
+            self.cache_hit_rates, self._is_draining, reactor=reactor, prompt_cache=self.prompt_cache)
         #: The node's typed events (rolemesh.node.feed): the events route's and the dispatcher's source.
         self.feed = NodeFeed(reactor)
         self.feed.watch(self)
