@@ -1,6 +1,6 @@
 """Does llama-server keep a conversation's prefix cached by itself, whatever
 slot its next turn lands on?  (Why the agent picks the device but never sets
-``id_slot``: docs/operations.md, "Which slot".)
+``id_slot``: docs/operations/tenants.md, "Which slot".)
 
 One llama-server on Gemma 3 270M (the ``demo`` extra), ``--parallel 4``;
 ``--conversations`` conversations, each with a ~1,500-token system prompt of

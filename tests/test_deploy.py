@@ -1,6 +1,6 @@
 """What deploy/ ships: every Kubernetes manifest validates offline against
 the Kubernetes schemas (kubernetes-validate bundles them), and the manifests,
-Dockerfiles and build script keep the promises docs/operations.md makes."""
+Dockerfiles and build script keep the promises docs/operations/ makes."""
 
 from __future__ import annotations
 

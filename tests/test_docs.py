@@ -182,3 +182,96 @@ class WorkedExampleTests(SynchronousTestCase):
             validate({key: None}, check_files=False, environ={})
         for key in {k.name for k in TOP_LEVEL_KEYS} - set(accepting):
             self.assertRaises(ConfigError, validate, {key: None}, check_files=False, environ={})
+
+
+# -- the documents' shape and their links -------------------------------------------------------
+
+DOCS = os.path.join(ROOT, "docs")
+OPERATIONS_PAGES = os.path.join(DOCS, "operations")
+#: Every markdown file whose relative links must resolve: the docs (with the task pages), the
+#: README and the benchmarks' README.
+LINK_CHECKED = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "bench", "README.md")] + sorted(
+    os.path.join(folder, name) for folder, _, names in os.walk(DOCS) for name in names if name.endswith(".md")
+)
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+CODE = re.compile(r"^```.*?^```$|`[^`\n]*`", re.MULTILINE | re.DOTALL)
+
+
+def read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: str) -> set:
+    found: set = set()
+    seen: dict = {}
+    text = re.sub(r"^```.*?^```$", "", read(path), flags=re.MULTILINE | re.DOTALL)
+    for match in re.finditer(r"^#{1,6} (.+)$", text, re.MULTILINE):
+        base = slug(match.group(1))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        found.add(base if n == 0 else f"{base}-{n}")
+    return found
+
+
+def links(path: str) -> list:
+    """The relative link targets in a markdown file, outside code."""
+    text = CODE.sub("", read(path))
+    return [t for t in LINK.findall(text) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+class DocumentShapeTests(SynchronousTestCase):
+    """Issue 40: performance.md states today's figures; operations are short pages by task."""
+
+    def test_performance_is_today_s_figures(self) -> None:
+        text = read(os.path.join(DOCS, "performance.md"))
+        self.assertLessEqual(len(text.splitlines()), 300, "docs/performance.md: today's figures, no history")
+        for script in re.findall(r"`python (bench/\w+\.py)", text):
+            self.assertTrue(os.path.exists(os.path.join(ROOT, script)), script)
+
+    def test_every_operations_page_is_linked_from_the_index(self) -> None:
+        pages = sorted(name for name in os.listdir(OPERATIONS_PAGES) if name.endswith(".md"))
+        self.assertGreaterEqual(len(pages), 8)
+        for name in ("install.md", "systemd.md", "kubernetes.md", "upgrade.md", "metrics.md", "troubleshoot.md"):
+            self.assertIn(name, pages)
+        index = {os.path.normpath(t.split("#")[0]) for t in links(os.path.join(DOCS, "index.md"))}
+        operations = {os.path.normpath(t.split("#")[0]) for t in links(os.path.join(DOCS, "operations.md"))}
+        for name in pages:
+            self.assertIn(os.path.join("operations", name), index, f"docs/index.md does not link operations/{name}")
+            self.assertIn(os.path.join("operations", name), operations, f"docs/operations.md does not link {name}")
+
+    def test_task_pages_are_short(self) -> None:
+        for name in os.listdir(OPERATIONS_PAGES):
+            lines = len(read(os.path.join(OPERATIONS_PAGES, name)).splitlines())
+            self.assertLessEqual(lines, 250, f"docs/operations/{name}: {lines} lines")
+
+
+class LinkTests(SynchronousTestCase):
+    """Every relative link in the docs, the README and bench/README.md names a file that exists,
+    and its #anchor a heading of that file."""
+
+    def test_the_checker_sees_the_pages(self) -> None:
+        self.assertIn(os.path.join(OPERATIONS_PAGES, "metrics.md"), LINK_CHECKED)
+        self.assertEqual(slug("Relay capacity (`bench/capacity.py`)"), "relay-capacity-benchcapacitypy")
+        self.assertEqual(slug("Back-off: a model that keeps failing on a device"),
+                         "back-off-a-model-that-keeps-failing-on-a-device")
+        self.assertIn("operations/metrics.md", links(os.path.join(DOCS, "index.md")))
+
+    def test_links_resolve(self) -> None:
+        broken = []
+        for path in LINK_CHECKED:
+            for target in links(path):
+                file_part, _, anchor = target.partition("#")
+                where = os.path.normpath(os.path.join(os.path.dirname(path), file_part)) if file_part else path
+                name = os.path.relpath(path, ROOT)
+                if not os.path.exists(where):
+                    broken.append(f"{name}: {target} (no such file)")
+                elif anchor and where.endswith(".md") and anchor not in anchors(where):
+                    broken.append(f"{name}: {target} (no such heading)")
+        self.assertEqual(broken, [])

@@ -90,7 +90,7 @@ class StopOrderTests(SynchronousTestCase):
 
 
 class OperationsDocTests(SynchronousTestCase):
-    """docs/operations.md quotes the lines an operator sees, with the defaults."""
+    """docs/operations/systemd.md quotes the lines an operator sees, with the defaults."""
 
     def test_the_doc_quotes_the_log_lines(self) -> None:
         import re
@@ -106,7 +106,8 @@ class OperationsDocTests(SynchronousTestCase):
             h.reactor.advance(shutdown_deadline(h.root.config))
         child.exit(0, signal=9)
         lines = [formatEvent(e) for e in events if e.get("log_level").name == "critical"]
-        doc_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "operations.md")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        doc_path = os.path.join(root, "docs", "operations", "systemd.md")
         with open(doc_path, encoding="utf-8") as f:
             doc = f.read()
         self.assertIn(f"`{lines[0]}`", doc)

@@ -24,7 +24,8 @@ from tests.fixtures.fakes import make_config
 from tests.node.test_node import NodeHarness
 
 ROOT = REPO
-OPERATIONS_DOC = os.path.join(ROOT, "docs", "operations.md")
+METRICS_DOC = os.path.join(ROOT, "docs", "operations", "metrics.md")
+OPERATIONS_DIR = os.path.join(ROOT, "docs", "operations")
 GiB = 1 << 30
 
 
@@ -486,13 +487,12 @@ class PromptTokenTests(SynchronousTestCase):
 
 
 class PreCreatedCounterTests(SynchronousTestCase):
-    """docs/operations.md: the per-model and per-(device, model) counters
+    """docs/operations/metrics.md: the per-model and per-(device, model) counters
     exist at 0 for every configured pair from the start."""
 
     def documented(self) -> Dict[str, List[str]]:
         """Counter name -> label names, for the counters labelled by model (and device) alone."""
-        path = os.path.join(REPO, "docs", "operations.md")
-        with open(path, encoding="utf-8") as f:
+        with open(METRICS_DOC, encoding="utf-8") as f:
             rows = re.findall(r"^\| `(rolemesh_\w+_total)` \| counter \| ([^|]*) \|", f.read(), re.M)
         found = {name: re.findall(r"`(\w+)`", labels) for name, labels in rows}
         return {name: labels for name, labels in found.items() if labels in (["model"], ["device", "model"])}
@@ -630,7 +630,7 @@ class DispatcherGaugeTests(SynchronousTestCase):
 
 
 class DocumentationTests(SynchronousTestCase):
-    def test_every_metric_is_in_the_operations_doc(self) -> None:
+    def test_every_metric_is_in_the_metrics_doc(self) -> None:
         client = SimpleNamespace(
             state="registered",
             last_success=1.0,
@@ -648,7 +648,7 @@ class DocumentationTests(SynchronousTestCase):
         d = h.node.acquire(h.config.model("a"))
         h.ready("a")
         self.successResultOf(d).release()
-        with open(OPERATIONS_DOC, encoding="utf-8") as f:
+        with open(METRICS_DOC, encoding="utf-8") as f:
             doc = f.read()
         documented = set(re.findall(r"`(rolemesh_[a-z_]+)`", doc))
         families = h.scrape()
@@ -657,8 +657,14 @@ class DocumentationTests(SynchronousTestCase):
             for name, family in families.items()
             if not name.endswith("_created")
         }
-        self.assertEqual(exported - documented, set(), "metrics missing from docs/operations.md")
-        self.assertEqual(documented - exported, set(), "docs/operations.md names metrics that do not exist")
+        self.assertEqual(exported - documented, set(), "metrics missing from docs/operations/metrics.md")
+        self.assertEqual(documented - exported, set(), "docs/operations/metrics.md names metrics that do not exist")
+        # and no other operations page (alerts, troubleshooting, tenants, ...) names one that does not exist
+        pages = [os.path.join(OPERATIONS_DIR, name) for name in sorted(os.listdir(OPERATIONS_DIR))]
+        for page in pages + [os.path.join(ROOT, "docs", "operations.md")]:
+            with open(page, encoding="utf-8") as f:
+                named = set(re.findall(r"`(rolemesh_[a-z_]+)`", f.read()))
+            self.assertEqual(named - exported, set(), f"{os.path.relpath(page, ROOT)} names metrics that do not exist")
         # and the reference table gives each its type
         for name in exported:
             family = families[name[: -len("_total")] if name.endswith("_total") else name]
