@@ -12,7 +12,7 @@ entries forgotten when its child restarts or switches); :func:`affine_choice`
 prefers that device unless it is clearly busier than another.  The slot
 is llama-server's own choice (prompt similarity, and its host-memory prompt
 cache): measured, that keeps 96-97% of a conversation's later prompt tokens
-cached on the device, so no ``id_slot`` is set (docs/operations.md).
+cached on the device, so no ``id_slot`` is set (docs/operations/tenants.md, "Which slot").
 """
 
 from __future__ import annotations
