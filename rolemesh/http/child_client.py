@@ -168,6 +168,24 @@ def content_length(values: List[bytes]) -> int:
     return lengths.pop()
 
 
+def _declared_length(te: Optional[List[bytes]], sized: Optional[List[bytes]]) -> Union[int, str]:
+    """The body length a response head declares, from its Transfer-Encoding
+    (``te``) and Content-Length (``sized``) fields: ``UNKNOWN_LENGTH`` when
+    chunked or not said; :class:`BadResponse` for framing the client does not
+    take."""
+    if te is not None:
+        # Only chunked, and never with a length too (RFC 9112 §6.1, §6.3:
+        # what a smuggling or response-splitting attempt looks like).
+        if not (len(te) == 1 and te[0].lower() == b"chunked") and [
+                c.strip(b" \t").lower() for v in te for c in v.split(b",")] != [b"chunked"]:
+            raise BadResponse(f"unsupported transfer-encoding {b', '.join(te)[:80]!r}")
+        if sized is not None:
+            raise BadResponse("both transfer-encoding and content-length")
+    elif sized is not None:
+        return content_length(sized)
+    return UNKNOWN_LENGTH  # Twisted's marker is a str
+
+
 def chunk_size(line: bytes) -> int:
     """The size a chunk-size line gives (``1*HEXDIG [ chunk-ext ]``); else :class:`BadResponse`."""
     size, sep, _ = line.partition(b";")
@@ -356,20 +374,10 @@ class ChildConnection(Protocol):
         connection = headers.get(b"connection")
         keep = self._keep_alive and version == b"HTTP/1.1" and not (
             connection and any(v.lower() == b"close" for v in connection))
-        length: Union[int, str] = UNKNOWN_LENGTH  # Twisted's marker is a str
         te = headers.get(b"transfer-encoding")
         sized = headers.get(b"content-length")
         try:
-            if te is not None:
-                # Only chunked, and never with a length too (RFC 9112 §6.1, §6.3:
-                # what a smuggling or response-splitting attempt looks like).
-                if not (len(te) == 1 and te[0].lower() == b"chunked") and [
-                        c.strip(b" \t").lower() for v in te for c in v.split(b",")] != [b"chunked"]:
-                    raise BadResponse(f"unsupported transfer-encoding {b', '.join(te)[:80]!r}")
-                if sized is not None:
-                    raise BadResponse("both transfer-encoding and content-length")
-            elif sized is not None:
-                length = content_length(sized)
+            length = _declared_length(te, sized)
         except BadResponse as e:
             self._fail_head(e)
             return
