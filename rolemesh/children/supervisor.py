@@ -26,8 +26,10 @@ policy, as ``twisted.runner.procmon`` keeps them apart:
 :mod:`rolemesh.children.probes` (readiness and inference probes, load bounds),
 :mod:`rolemesh.children.restart_policy` (back-off, safe mode),
 :mod:`rolemesh.children.waiters` (who waits for a load or a stop),
-:mod:`rolemesh.children.failures` (what each failure is called and says) and
-:mod:`rolemesh.children.views` (the endpoint and snapshot shown).  What happens is
+:mod:`rolemesh.children.failures` (what each failure is called and says),
+:mod:`rolemesh.children.views` (the endpoint and snapshot shown) and
+:mod:`rolemesh.children.record` (its base: the state, counters and last
+failure it shows, and their telling).  What happens is
 told through :attr:`DeviceSupervisor.events` (:mod:`rolemesh.base.events`) once
 the transition that caused it is complete: observers -- the node, the metrics
 -- that call back into the supervisor see a settled state.
@@ -37,9 +39,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar, cast
 
-import attr
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
@@ -51,11 +52,10 @@ from rolemesh.backends.groups import group_name
 from rolemesh.base import errors
 from rolemesh.base.backoff import load_retry_delay, restart_delay
 from rolemesh.base.devices import DeviceRef
-from rolemesh.base.events import Events, Outbox
+from rolemesh.base.events import Events
 from rolemesh.base.interfaces import IAgentReactor, IDeviceBackend
 from rolemesh.children import diagnosis
 from rolemesh.children import failures as child_failures
-from rolemesh.children import views as child_views
 from rolemesh.children.attempt import ChildAttempt, start_command
 from rolemesh.children.failures import ERROR_TAIL_LINES
 from rolemesh.children.health import ChildHealth
@@ -78,6 +78,7 @@ from rolemesh.children.process import (
     pick_free_port,
     wrap_argv,
 )
+from rolemesh.children.record import CHILD_STATE, COUNTED_EVENTS, DeviceRecord, StateChange
 from rolemesh.children.restart_policy import (
     INFERENCE_PROBE_FAILURES,
     STABLE_AFTER_S,
@@ -86,10 +87,9 @@ from rolemesh.children.restart_policy import (
     retry_after_seconds,
 )
 from rolemesh.children.state import FAILED, READY, STARTING, STOPPED, STOPPING, DeviceState
-from rolemesh.children.views import ChildEndpoint, EndpointCache
+from rolemesh.children.views import ChildEndpoint
 from rolemesh.children.waiters import Waiters
 from rolemesh.config.file import ModelConfig, NodeConfig
-from rolemesh.event_loop.reactor import UsesReactor
 
 __all__ = [
     "ATTEMPT_LINES", "CHILD_STATE", "COUNTED_EVENTS", "ERROR_TAIL_LINES", "FAILED", "INFERENCE_PROBE_FAILURES",
@@ -100,21 +100,6 @@ __all__ = [
 
 log = Logger(namespace="rolemesh.supervisor")
 
-
-#: The event of every state change: fields ``device``, ``state``,
-#: ``previous``, ``model`` (its id or None) and ``model_config``.
-CHILD_STATE = "child_state"
-#: Events counted at the source -> the supervisor attribute that counts them.
-#: Each has fields ``device`` and ``model`` (the model id); ``load`` also
-#: ``seconds`` (spawn to ready).
-COUNTED_EVENTS = {
-    "load": "loads",
-    "load_failure": "load_failures",
-    "load_timeout": "load_timeouts",
-    "crash": "crashes",
-    "restart": "restarts",
-    "safe_mode_retry": "safe_mode_retries",
-}
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -134,31 +119,10 @@ def _transition(method: _F) -> _F:
     return cast(_F, run)
 
 
-@attr.s(auto_attribs=True, frozen=True)
-class StateChange:
-    """What a :meth:`DeviceSupervisor.subscribe` listener is told."""
-
-    supervisor: "DeviceSupervisor"
-    state: DeviceState
-    previous: DeviceState
-    model: Optional[ModelConfig]
-
-    @property
-    def name(self) -> str:
-        return self.supervisor.name
-
-
-class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
+class DeviceSupervisor(Service, DeviceRecord):
     """Owns one device's llama-server child: spawn, readiness, switch, stop."""
 
-    # Near 400 lines, over the ~350 bar, for a reason: this class is the state
-    # machine of docs/architecture.md and nothing else -- every transition (a
-    # verb, a ChildAttempt's report of its child's end, a LoadWatch's or a
-    # ChildHealth's verdict) is one method here, so its rules read in one
-    # place; the mechanism (ChildAttempt, Launcher, LoadWatch), the waiters,
-    # the failure wording, the on-demand probes and the views are its parts.
-
-    name: str  # the device name; never None here
+    name: str  # the device name (Service's is Optional); never None here
     #: Finds the reader of a child's cgroup OOM-kill count (tests replace it).
     oom_counter = staticmethod(diagnosis.oom_counter)
 
@@ -193,72 +157,20 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self.policy = RestartPolicy()
         self.health = ChildHealth(self.name, self.probes, self.policy, self._still_serving, self._replace)
         self.output = OutputRing()
-        #: Every state change and counted event (see CHILD_STATE, COUNTED_EVENTS).
         self.events = Events()
         self._init_state()
 
     def _init_state(self) -> None:
-        self.state = STOPPED
-        self.model: Optional[ModelConfig] = None
-        self.port: Optional[int] = None
-        self.pid: Optional[int] = None
-        self.generation = 0
-        #: Counters (read them, never write them): see COUNTED_EVENTS.
-        self.restarts = self.loads = self.load_failures = self.load_timeouts = 0
-        self.crashes = self.safe_mode_retries = 0
-        #: When the last load was retried in safe mode (reactor seconds).
-        self.safe_mode_since: Optional[float] = None
-        self.last_load_seconds: Optional[float] = None
-        #: The last failure (None while there is none): its message, a stable
-        #: code a dispatcher can act on (``model_load_failed``,
-        #: ``model_load_timeout``, ``child_crashed``, ``illegal_instruction``,
-        #: ``unhealthy``...) and when it happened (reactor seconds).
-        self.last_error: Optional[str] = None
-        self.last_error_code: Optional[str] = None
-        self.last_error_at: Optional[float] = None
-
+        self._init_record()
         #: The current (or last) spawn: its process, pid file, load watch, times.
         self._attempt = ChildAttempt(self.name, None, self.output, self._child_ended, self._pidfiles)
-        self._target: Optional[ModelConfig] = None
         self._closing = False
         #: When the current model's back-off ends, the device stops saying ``failed``.
         self._backoff_end: Optional[IDelayedCall] = None
-        self._endpoints = EndpointCache()
-        #: What a transition has to tell, delivered once it is complete.
-        self._outbox = Outbox()
         #: The callers of ensure and stop, fired through the outbox.
         self.waiters = Waiters(self._outbox)
 
-    # -- telling others ---------------------------------------------------------
-
-    def subscribe(self, listener: Callable[[StateChange], None]) -> Callable[[], None]:
-        """Call ``listener(change)`` after every state change, once the
-        transition is complete; returns a function that unsubscribes it."""
-
-        def on_event(event: str, **fields: Any) -> None:
-            if event == CHILD_STATE:
-                listener(StateChange(self, fields["state"], fields["previous"], fields["model_config"]))
-
-        return self.events.subscribe(on_event)
-
-    def _emit(self, event: str, **fields: Any) -> None:
-        self._outbox.later(functools.partial(self.events.emit, event, **fields))
-
-    def _count(self, event: str, **fields: Any) -> None:
-        """Count ``event`` (one of COUNTED_EVENTS) here and tell observers."""
-        attribute = COUNTED_EVENTS[event]
-        setattr(self, attribute, getattr(self, attribute) + 1)
-        model_id = self.model.model_id if self.model is not None else None
-        self._emit(event, device=self.name, model=model_id, **fields)
-
-    def _set_state(self, state: DeviceState) -> None:
-        if state == self.state:
-            return
-        previous, self.state = self.state, state
-        model = self.model
-        self._emit(CHILD_STATE, device=self.name, state=state, previous=previous,
-                   model=model.model_id if model is not None else None, model_config=model)
-        self._arm_backoff_end()
+    # -- the end of a back-off --------------------------------------------------
 
     def _arm_backoff_end(self) -> None:
         """A failed device waits out its model's back-off, then says
@@ -273,43 +185,13 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         if left > 0:
             self._backoff_end = self.reactor.callLater(left, self._backoff_over)
 
+    _state_changed = _arm_backoff_end
+
     @_transition
     def _backoff_over(self) -> None:
         self._backoff_end = None
         if self.state == FAILED and not self._closing:
             self._set_state(STOPPED)
-
-    # -- reading (see rolemesh.children.views) ----------------------------------------
-
-    @property
-    def logs(self) -> List[str]:
-        """The device's last LOG_LINES lines of child output (read only)."""
-        return self.output.lines
-
-    @property
-    def endpoint(self) -> Optional[ChildEndpoint]:
-        if self.state != READY or self.model is None or self.port is None:
-            return None
-        return self._endpoints.get(self.model.model_id, self.port, self.pid, self.generation)
-
-    @property
-    def loading_or_loaded(self) -> Optional[str]:
-        """The model id the device has (or is getting), else None."""
-        target = self._target
-        return child_views.loading_or_loaded(self.state, self.model.model_id if self.model is not None else None,
-                                             target.model_id if target is not None else None)
-
-    def snapshot(self) -> Dict[str, Any]:
-        return child_views.snapshot(self.state, self.model.model_id if self.model else None, self.port, self.pid,
-                                    self.restarts, self.last_error)
-
-    @property
-    def warnings(self) -> List[str]:
-        """Things an operator should fix though the device serves."""
-        return list(self.policy.safe_mode.values())
-
-    def log_tail(self, lines: int) -> List[str]:
-        return self.output.tail(lines)
 
     # -- the public verbs ------------------------------------------------------
 
@@ -564,11 +446,6 @@ class DeviceSupervisor(Service, UsesReactor[IAgentReactor]):
         self.safe_mode_since = self.reactor.seconds()
         log.warn("{message}; retrying once", message=warning, device=self.name, model=model.model_id)
         return True
-
-    def _note_error(self, code: Optional[str], message: Optional[str]) -> None:
-        self.last_error = message
-        self.last_error_code = code
-        self.last_error_at = None if code is None else self.reactor.seconds()
 
     def _load_failed(self, error: errors.ApiError, code: Optional[str] = None) -> None:
         self._note_error(code or error.code, error.message)

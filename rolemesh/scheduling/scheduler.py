@@ -66,30 +66,15 @@ Without ``replicas`` a model spreads only when its lanes' queues are full.
 
 from __future__ import annotations
 
-import collections
 import itertools
-from typing import Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
-import attr
+from rolemesh.scheduling.books import CANCELLED, DONE, QUEUED, RUNNING, DeviceBook, QueueFull, Ticket, TicketState
+from rolemesh.scheduling.fairqueue import DEFAULT_SHARE, Order, Share
+from rolemesh.scheduling.lanes import Lanes
 
-from rolemesh.base.enums import StrEnum
-from rolemesh.scheduling.fairqueue import DEFAULT_SHARE, FairOrder, Order, Share
-from rolemesh.scheduling.prefix import affine_choice
-
-
-class TicketState(StrEnum):
-    """Where a ticket is: waiting in a queue, running, or over."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-    CANCELLED = "cancelled"
-
-
-QUEUED = TicketState.QUEUED
-RUNNING = TicketState.RUNNING
-DONE = TicketState.DONE
-CANCELLED = TicketState.CANCELLED
+__all__ = ["CANCELLED", "DONE", "QUEUED", "RUNNING", "UNLOAD", "DeviceBook", "QueueFull", "Scheduler", "Ticket",
+           "TicketState", "superseded"]
 
 
 #: The model id of an unload ticket: starting it is a switch to "no model", so
@@ -104,75 +89,8 @@ def superseded(model_id: str) -> str:
     return model_id + "\x00superseded"
 
 
-class QueueFull(Exception):
-    """Every eligible device already holds its limit of pending requests."""
-
-
-@attr.s(eq=False, auto_attribs=True, slots=True)  # one per request
-class Ticket:
-    """One request's place in the scheduler."""
-
-    id: int
-    model_id: str
-    parallel: int = 1
-    device: Optional[str] = None
-    state: TicketState = QUEUED
-    #: How many later tickets started before this one while it was queued.
-    overtaken: int = 0
-    #: Whether starting this ticket switched the device to its model.
-    switched: bool = False
-    #: Opaque to the scheduler: what the caller needs when the ticket starts.
-    context: object = None
-    #: Lanes whose children must stop before this one starts (set at start).
-    evict: List[str] = attr.Factory(list)
-    #: Bytes the model needs on each eligible lane (None: unknown).
-    need: Optional[Mapping[str, int]] = None
-    #: Whose request it is, and its band (fair queueing).
-    share: Share = DEFAULT_SHARE
-    #: Its place in the lane's fair order (band rank, start tag, tie-break).
-    order: Order = (0, 0.0, 0)
-
-
-@attr.s(eq=False, auto_attribs=True)
-class DeviceBook:
-    """What the scheduler knows about one device."""
-
-    name: str
-    order: int
-    model: Optional[str] = None
-    slots: int = 1
-    free_memory: Optional[int] = None
-    #: The physical devices this lane occupies: itself, or a group's members.
-    members: Tuple[str, ...] = ()
-    #: Bytes the loaded model is estimated to hold (0: none or unknown).
-    held: int = 0
-    running: List[Ticket] = attr.Factory(list)
-    queue: Deque[Ticket] = attr.Factory(collections.deque)
-    fair: FairOrder = attr.Factory(FairOrder)
-    #: Uses of its child that take no slot, under way (:meth:`Scheduler.pin`).
-    pinned: int = 0
-
-    @property
-    def pending(self) -> int:
-        return len(self.running) + len(self.queue)
-
-    @property
-    def is_group(self) -> bool:
-        return self.members != (self.name,)
-
-    @property
-    def occupied(self) -> bool:
-        return self.model is not None or bool(self.running)
-
-
 class Scheduler:
     """Per-device queues with a bounded pending count and switch rules."""
-
-    # Near 380 lines, over the ~350 bar, for a reason: the queue rules (lane
-    # choice, fair place, switch preference, starvation bound, overlapping
-    # lanes, give-back on a withdrawal) act on the same books in one step and
-    # are checked together by the hypothesis machines; the tag arithmetic
-    # itself lives apart, in rolemesh/scheduling/fairqueue.py.
 
     def __init__(
         self,
@@ -182,19 +100,11 @@ class Scheduler:
         starvation_bound: int = 4,
         groups: Optional[Mapping[str, Sequence[str]]] = None,
     ) -> None:
-        self.devices: Dict[str, DeviceBook] = {
-            name: DeviceBook(name, i, members=(name,)) for i, name in enumerate(devices)
-        }
-        for name, members in (groups or {}).items():
-            unknown = [m for m in members if m not in self.devices or self.devices[m].is_group]
-            if unknown or not members:
-                raise ValueError(f"group {name!r} names unknown devices {unknown}")
-            self.devices[name] = DeviceBook(name, len(self.devices), members=tuple(members))
+        #: The lanes' books, which overlap, and the choice of one (rolemesh.scheduling.lanes).
+        self.lanes = Lanes(devices, groups)
+        self.devices: Dict[str, DeviceBook] = self.lanes.devices
         #: For each lane, the other lanes that share a device with it.
-        self.overlaps: Dict[str, List[DeviceBook]] = {
-            name: [o for o in self.devices.values() if o is not b and set(o.members) & set(b.members)]
-            for name, b in self.devices.items()
-        }
+        self.overlaps: Dict[str, List[DeviceBook]] = self.lanes.overlaps
         self.pending_limit = pending_limit
         self.starvation_bound = starvation_bound
         self._on_start = on_start
@@ -202,7 +112,7 @@ class Scheduler:
         #: Queued plus running tickets per tenant (absent: none).
         self.tenant_pending: Dict[str, int] = {}
 
-    # -- choosing -------------------------------------------------------------
+    # -- choosing (rolemesh.scheduling.lanes) -----------------------------------
 
     def choose(
         self,
@@ -214,77 +124,12 @@ class Scheduler:
         max_imbalance: int = 0,
         replicas: Optional[int] = None,
     ) -> DeviceBook:
-        """The lane a new request for ``model_id`` should queue on.
-
-        ``lanes`` are the ones the model may use (default: every single
-        device); ``only`` narrows them to one (operator load, preload);
-        ``prefer`` is the lane prefix affinity asks for, taken among those
-        holding the model unless it is busier than the least busy by more
-        than ``max_imbalance``; ``replicas`` caps the lanes the model holds
-        and lets it scale out before its queues are full (module docstring)."""
-        names = lanes if lanes is not None else [n for n, b in self.devices.items() if not b.is_group]
-        if len(names) == 1 and (only is None or names[0] == only):
-            # One lane (one device, or a model pinned to one): it, if it has room.
-            book = self.devices[names[0]]
-            if len(book.running) + len(book.queue) >= self.pending_limit:
-                raise QueueFull(model_id)
-            return book
-        books = [self.devices[n] for n in names if only is None or n == only]
-        room = [b for b in books if b.pending < self.pending_limit]
-        if not room:
-            raise QueueFull(model_id)
-        holding = [b for b in room if b.model == model_id]
-        cap = replicas if only is None else None  # an operator's pin is not a replica decision
-        if holding:
-            chosen = None
-            if prefer is not None and len(holding) > 1:
-                chosen = affine_choice({b.name: b.pending for b in holding}, prefer, max_imbalance)
-            book = self.devices[chosen] if chosen is not None else min(holding, key=lambda b: (b.pending, b.order))
-            if cap is not None and book.pending >= book.slots and len(self._claimed(model_id, books)) < cap:
-                spare = self._spare(room, need)
-                if spare is not None:
-                    return spare  # scale out: a copy on an idle lane rather than a wait
-            return book
-        claimed = self._claimed(model_id, books) if cap is not None else []
-        if cap is not None and len(claimed) >= cap:
-            # As many lanes as it may hold have it (or a switch to it queued):
-            # one of those with room, else 429.
-            waiting = [b for b in claimed if b.pending < self.pending_limit]
-            if not waiting:
-                raise QueueFull(model_id)
-            return min(waiting, key=lambda b: (b.pending, b.order))
-        fitting = [b for b in room if self._fits(b, (need or {}).get(b.name))] or room
-        return min(
-            fitting,
-            key=lambda b: (
-                b.pending + sum(o.pending for o in self.overlaps[b.name]),
-                b.model is not None or any(o.occupied for o in self.overlaps[b.name]),
-                -(b.free_memory or 0),
-                b.order,
-            ),
-        )
-
-    @staticmethod
-    def _claimed(model_id: str, books: Sequence[DeviceBook]) -> List[DeviceBook]:
-        """Lanes that hold ``model_id`` or have a request for it waiting (a
-        switch to it is coming): the replicas it has, or is about to."""
-        return [b for b in books if b.model == model_id or any(t.model_id == model_id for t in b.queue)]
-
-    def _spare(self, room: Sequence[DeviceBook], need: Optional[Mapping[str, int]]) -> Optional[DeviceBook]:
-        """An idle lane that holds nothing -- no model, no request, no
-        overlapping lane in use -- where the model fits: a new replica costs
-        no other model its place.  The most free memory first."""
-        spare = [b for b in room if not b.occupied and not b.queue
-                 and not any(o.occupied or o.queue for o in self.overlaps[b.name])
-                 and self._fits(b, (need or {}).get(b.name))]
-        return min(spare, key=lambda b: (-(b.free_memory or 0), b.order)) if spare else None
+        """The lane a new request for ``model_id`` should queue on (see :meth:`Lanes.choose`)."""
+        return self.lanes.choose(model_id, self.pending_limit, only, lanes, need, prefer, max_imbalance, replicas)
 
     def _fits(self, book: DeviceBook, need: Optional[int]) -> bool:
-        """Free memory, plus what the models it would replace hold, covers ``need``."""
-        if need is None or book.free_memory is None:
-            return True
-        freed = book.held + sum(o.held for o in self.overlaps[book.name])
-        return book.free_memory + freed >= need
+        """Whether ``need`` fits on ``book`` (see :meth:`Lanes.fits`)."""
+        return self.lanes.fits(book, need)
 
     def submit(
         self,
