@@ -112,7 +112,7 @@ def direct_cold_start(argv: List[str], port: int, served_name: str, poll: float,
 
 def wrapper_startup(rounds: int = 5) -> float:
     """Median seconds the exec wrapper (``python -S -E child_exec.py``) adds before exec."""
-    from rolemesh.children.supervisor import wrap_argv
+    from rolemesh.children.process import wrap_argv
 
     true = shutil.which("true") or "/bin/true"
     times = []
@@ -133,7 +133,8 @@ async def bench(reactor: Any, args: argparse.Namespace, workdir: str, cleanups: 
     from rolemesh.backends.cpu import CpuBackend
     from rolemesh.children.llama_args import build_argv
     from rolemesh.children.pidfiles import PidFiles
-    from rolemesh.children.supervisor import STARTING, DeviceSupervisor
+    from rolemesh.children.state import STARTING
+    from rolemesh.children.supervisor import DeviceSupervisor
     from rolemesh.config.file import validate
     from tests.fixtures.llama import free_port, llama_server_binary
     from tests.fixtures.tiny_gguf import write_tiny_gguf

@@ -53,7 +53,8 @@ from rolemesh.base.errors import ConfigError
 from rolemesh.base.interfaces import IAgentReactor, IBackendReactor, IDeviceBackend
 from rolemesh.children import llama_build
 from rolemesh.children.pidfiles import PidFiles, StateDirLock
-from rolemesh.children.supervisor import FAILED, STOPPED, DeviceSupervisor
+from rolemesh.children.state import FAILED, STOPPED
+from rolemesh.children.supervisor import DeviceSupervisor
 from rolemesh.config.file import NodeConfig, load_config
 from rolemesh.config.tls import ServerTLS, dispatcher_tls_policy
 from rolemesh.event_loop.reactor import UsesReactor

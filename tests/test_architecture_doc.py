@@ -12,7 +12,7 @@ from typing import List, Tuple
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.children.supervisor import CHILD_STATE, COUNTED_EVENTS
+from rolemesh.children.record import CHILD_STATE, COUNTED_EVENTS
 
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "architecture.md")
 

@@ -41,7 +41,7 @@ from twisted.logger import Logger
 
 from rolemesh import __version__
 from rolemesh.api.app import PROXIED_ROUTES
-from rolemesh.children.supervisor import FAILED, READY, STARTING, STOPPED, STOPPING
+from rolemesh.children.state import FAILED, READY, STARTING, STOPPED, STOPPING
 from rolemesh.children.telemetry import finite_number
 from rolemesh.config.file import NodeConfig
 from rolemesh.fleet.dispatcher import DispatcherState

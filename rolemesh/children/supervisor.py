@@ -50,7 +50,6 @@ from twisted.python.failure import Failure
 
 from rolemesh.backends.groups import group_name
 from rolemesh.base import errors
-from rolemesh.base.backoff import load_retry_delay, restart_delay
 from rolemesh.base.devices import DeviceRef
 from rolemesh.base.events import Events
 from rolemesh.base.interfaces import IAgentReactor, IDeviceBackend
@@ -61,27 +60,19 @@ from rolemesh.children.failures import ERROR_TAIL_LINES
 from rolemesh.children.health import ChildHealth
 from rolemesh.children.pidfiles import PidFiles
 from rolemesh.children.probes import (
-    INFERENCE_PROBE_TIMEOUT_S,
     ChildProbes,
     InferenceProbe,
     ReadinessProbe,
-    http_probe,
-    inference_probe,
 )
 from rolemesh.children.process import (
-    ATTEMPT_LINES,
-    LOG_LINES,
     ChildProcess,
     Launcher,
     OutputRing,
-    exit_of,
     pick_free_port,
     wrap_argv,
 )
-from rolemesh.children.record import CHILD_STATE, COUNTED_EVENTS, DeviceRecord, StateChange
+from rolemesh.children.record import DeviceRecord
 from rolemesh.children.restart_policy import (
-    INFERENCE_PROBE_FAILURES,
-    STABLE_AFTER_S,
     BackOff,
     RestartPolicy,
     retry_after_seconds,
@@ -91,12 +82,7 @@ from rolemesh.children.views import ChildEndpoint
 from rolemesh.children.waiters import Waiters
 from rolemesh.config.file import ModelConfig, NodeConfig
 
-__all__ = [
-    "ATTEMPT_LINES", "CHILD_STATE", "COUNTED_EVENTS", "ERROR_TAIL_LINES", "FAILED", "INFERENCE_PROBE_FAILURES",
-    "INFERENCE_PROBE_TIMEOUT_S", "LOG_LINES", "READY", "STABLE_AFTER_S", "STARTING", "STOPPED", "STOPPING",
-    "ChildEndpoint", "DeviceState", "DeviceSupervisor", "StateChange", "exit_of", "http_probe",
-    "inference_probe", "load_retry_delay", "pick_free_port", "restart_delay", "wrap_argv",
-]
+__all__ = ["DeviceSupervisor"]
 
 log = Logger(namespace="rolemesh.supervisor")
 

@@ -74,7 +74,6 @@ from rolemesh.event_loop.twisted_compat import write_now
 from rolemesh.http.bridge import BridgeChannel, BridgeTransport, canonical_copy
 from rolemesh.http.request_reader import (
     MAX_QUEUED,
-    MAX_QUEUED_BYTES,
     QUEUE_FULL,
     WRITES_BLOCKED,
     Incoming,
@@ -565,5 +564,4 @@ class HttpDate:
         return self._value
 
 
-__all__ = ["MAX_QUEUED", "MAX_QUEUED_BYTES", "BridgeChannel", "FastChannel", "FastRequest", "FastRoute", "HttpDate",
-           "ResponseHeaders"]
+__all__ = ["FastChannel", "FastRequest", "FastRoute", "HttpDate", "ResponseHeaders"]

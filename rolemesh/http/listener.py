@@ -41,7 +41,8 @@ from twisted.web.server import Request, Site
 from rolemesh.base.errors import ApiError
 from rolemesh.base.interfaces import HeadPolicy, IAgentReactor, ProxiedRequest
 from rolemesh.event_loop.reactor import resolve_reactor
-from rolemesh.http.fast_channel import BridgeChannel, FastChannel, FastRoute, HttpDate
+from rolemesh.http.bridge import BridgeChannel
+from rolemesh.http.fast_channel import FastChannel, FastRoute, HttpDate
 
 log = Logger(namespace="rolemesh.listener")
 

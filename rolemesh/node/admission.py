@@ -23,10 +23,11 @@ from rolemesh.children.supervisor import DeviceSupervisor
 from rolemesh.config.file import ModelConfig, NodeConfig
 from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.node.leases import Acquisition, Lease, Pin, UnloadRequest, stop_queue_timer
+from rolemesh.scheduling.books import QUEUED, RUNNING, QueueFull, Ticket
 from rolemesh.scheduling.fairqueue import DEFAULT_SHARE, Share
 from rolemesh.scheduling.placement import Placed
 from rolemesh.scheduling.prefix import PrefixMemory, prefix_hashes
-from rolemesh.scheduling.scheduler import QUEUED, RUNNING, UNLOAD, QueueFull, Scheduler, Ticket
+from rolemesh.scheduling.scheduler import UNLOAD, Scheduler
 from rolemesh.scheduling.tenants import tenant_limit
 
 log = Logger(namespace="rolemesh.admission")

@@ -11,7 +11,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from twisted.logger import Logger
 
-from rolemesh.children.supervisor import READY, STARTING, DeviceSupervisor
+from rolemesh.children.state import READY, STARTING
+from rolemesh.children.supervisor import DeviceSupervisor
 from rolemesh.config.file import ModelConfig, NodeConfig
 from rolemesh.node.reload import needs_new_child
 from rolemesh.scheduling.prefix import PrefixMemory

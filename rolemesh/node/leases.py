@@ -21,11 +21,14 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from rolemesh.base import errors
-from rolemesh.children.supervisor import READY, STARTING, ChildEndpoint, DeviceSupervisor
+from rolemesh.children.state import READY, STARTING
+from rolemesh.children.supervisor import DeviceSupervisor
+from rolemesh.children.views import ChildEndpoint
 from rolemesh.config.file import ModelConfig, NodeConfig
 from rolemesh.event_loop.reactor import UsesReactor
+from rolemesh.scheduling.books import Ticket
 from rolemesh.scheduling.fairqueue import DEFAULT_SHARE, Share
-from rolemesh.scheduling.scheduler import UNLOAD, Scheduler, Ticket
+from rolemesh.scheduling.scheduler import UNLOAD, Scheduler
 
 log = Logger(namespace="rolemesh.leases")
 

@@ -34,8 +34,11 @@ from rolemesh.base.devices import DeviceMetrics, DeviceRef
 from rolemesh.base.events import Events
 from rolemesh.base.interfaces import IDeviceBackend, IHTTPClientReactor
 from rolemesh.children.readahead import ReadAhead
-from rolemesh.children.supervisor import FAILED, READY, STARTING, STOPPED, ChildEndpoint, DeviceSupervisor, StateChange
+from rolemesh.children.record import StateChange
+from rolemesh.children.state import FAILED, READY, STARTING, STOPPED
+from rolemesh.children.supervisor import DeviceSupervisor
 from rolemesh.children.telemetry import TelemetrySampler
+from rolemesh.children.views import ChildEndpoint
 from rolemesh.config.file import ModelConfig, NodeConfig
 from rolemesh.event_loop.reactor import UsesReactor
 from rolemesh.http.prompt_cache import PromptCacheTally

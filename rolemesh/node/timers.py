@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, Mapping, Optional
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from rolemesh.children.supervisor import READY, STARTING, DeviceSupervisor
+from rolemesh.children.state import READY, STARTING
+from rolemesh.children.supervisor import DeviceSupervisor
 from rolemesh.config.file import ModelConfig
 from rolemesh.event_loop.reactor import UsesReactor
 

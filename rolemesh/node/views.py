@@ -13,7 +13,8 @@ from twisted.internet.interfaces import IReactorTime
 from rolemesh.base.devices import DeviceMetrics, DeviceRef
 from rolemesh.children import chat_templates
 from rolemesh.children.restart_policy import same_command
-from rolemesh.children.supervisor import READY, STARTING, DeviceSupervisor
+from rolemesh.children.state import READY, STARTING
+from rolemesh.children.supervisor import DeviceSupervisor
 from rolemesh.children.telemetry import ChildTelemetry, device_issues, load_progress
 from rolemesh.config.file import ModelConfig, NodeConfig
 from rolemesh.event_loop.reactor import UsesReactor

@@ -69,12 +69,11 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
-from rolemesh.scheduling.books import CANCELLED, DONE, QUEUED, RUNNING, DeviceBook, QueueFull, Ticket, TicketState
+from rolemesh.scheduling.books import CANCELLED, DONE, QUEUED, RUNNING, DeviceBook, QueueFull, Ticket
 from rolemesh.scheduling.fairqueue import DEFAULT_SHARE, Order, Share
 from rolemesh.scheduling.lanes import Lanes
 
-__all__ = ["CANCELLED", "DONE", "QUEUED", "RUNNING", "UNLOAD", "DeviceBook", "QueueFull", "Scheduler", "Ticket",
-           "TicketState", "superseded"]
+__all__ = ["UNLOAD", "Scheduler", "superseded"]
 
 
 #: The model id of an unload ticket: starting it is a switch to "no model", so

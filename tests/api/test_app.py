@@ -16,7 +16,7 @@ from rolemesh.api.app import NodeAPI
 from rolemesh.api.node_routes import MAX_LOG_TAIL
 from rolemesh.api.relay import RECORD_DELAY_S
 from rolemesh.base import errors
-from rolemesh.children.supervisor import READY, STARTING, STOPPING
+from rolemesh.children.state import READY, STARTING, STOPPING
 from rolemesh.http.listener import GuardedSite
 from rolemesh.http.proxy import Proxy
 from tests.fixtures.fakes import stub_answer

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.children.supervisor import READY, STARTING, STOPPED
+from rolemesh.children.state import READY, STARTING, STOPPED
 from tests.node.test_node import NodeHarness
 
 

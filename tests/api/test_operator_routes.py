@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, List
 
 from rolemesh.api.answers import request_body
-from rolemesh.children.supervisor import READY, STOPPED, STOPPING
+from rolemesh.children.state import READY, STOPPED, STOPPING
 from rolemesh.node.node import Lease
 from tests.api.test_app import ApiTestCase
 

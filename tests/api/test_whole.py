@@ -21,7 +21,8 @@ from rolemesh.config.file import NodeConfig
 from rolemesh.http.listener import GuardedSite
 from rolemesh.http.prompt_cache import anthropic_usage
 from rolemesh.node.names import ModelNames
-from rolemesh.scheduling.scheduler import RUNNING, Scheduler
+from rolemesh.scheduling.books import RUNNING
+from rolemesh.scheduling.scheduler import Scheduler
 from tests.api.test_app import CHAT, KEY, Answer, ApiHarness, ApiTestCase
 from tests.fixtures.fakes import make_config
 from tests.http.test_proxy import FakeResponse

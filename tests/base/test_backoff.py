@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.base.backoff import Backoff, doubling, load_retry_delay, restart_delay
-from rolemesh.children import supervisor
+from rolemesh.children import restart_policy
 from rolemesh.fleet import dispatcher
 
 bases = st.floats(min_value=1e-3, max_value=1e3)
@@ -47,9 +47,9 @@ class PolicyTests(SynchronousTestCase):
         self.assertEqual([load_retry_delay(n) for n in range(5)], [0.0, 15.0, 300.0, 600.0, 600.0])
 
     def test_one_implementation(self) -> None:
-        """The supervisor and the dispatcher use these, not copies."""
-        self.assertIs(supervisor.restart_delay, restart_delay)
-        self.assertIs(supervisor.load_retry_delay, load_retry_delay)
+        """The restart policy and the dispatcher use these, not copies."""
+        self.assertIs(restart_policy.restart_delay, restart_delay)
+        self.assertIs(restart_policy.load_retry_delay, load_retry_delay)
         self.assertIs(dispatcher.Backoff, Backoff)
 
 

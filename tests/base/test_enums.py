@@ -9,7 +9,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.api.readiness import decide
 from rolemesh.fleet.dispatcher import DispatcherState, Outcome, RequestKind
-from rolemesh.scheduling.scheduler import TicketState
+from rolemesh.scheduling.books import TicketState
 
 
 class StrEnumTests(SynchronousTestCase):

@@ -17,7 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from rolemesh.base.errors import ConfigError
 from rolemesh.children.adapters import adapter_entries, adapter_named, lora_field, with_lora
 from rolemesh.children.llama_args import DRAFT_SPEC_TYPE, build_argv
-from rolemesh.children.supervisor import READY
+from rolemesh.children.state import READY
 from rolemesh.config.file import LoraAdapter, as_dict, validate
 from rolemesh.scheduling.estimate import (
     AdapterFacts,

@@ -26,7 +26,7 @@ from rolemesh.children.process import (
     to_log,
     worth_logging,
 )
-from rolemesh.children.supervisor import READY, STOPPED
+from rolemesh.children.state import READY, STOPPED
 from tests.children.test_supervisor import Harness
 from tests.fixtures.fakes import FakeProcess, ProcessReactor
 

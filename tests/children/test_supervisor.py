@@ -11,18 +11,11 @@ from twisted.internet import defer
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.base import errors
-from rolemesh.children.supervisor import (
-    FAILED,
-    READY,
-    STARTING,
-    STOPPED,
-    STOPPING,
-    DeviceSupervisor,
-    inference_probe,
-    load_retry_delay,
-    restart_delay,
-    wrap_argv,
-)
+from rolemesh.base.backoff import load_retry_delay, restart_delay
+from rolemesh.children.probes import inference_probe
+from rolemesh.children.process import wrap_argv
+from rolemesh.children.state import FAILED, READY, STARTING, STOPPED, STOPPING
+from rolemesh.children.supervisor import DeviceSupervisor
 from tests.fixtures.fakes import FakeBackend, FakeProbe, GroupSignals, ProcessReactor, make_config
 
 
@@ -583,7 +576,7 @@ class HttpProbeTests(SynchronousTestCase):
         from treq.testing import StubTreq
         from twisted.web.resource import Resource
 
-        from rolemesh.children.supervisor import http_probe
+        from rolemesh.children.probes import http_probe
 
         class Stub(Resource):
             isLeaf = True
@@ -614,7 +607,7 @@ class HttpProbeTests(SynchronousTestCase):
         headers of /health and then nothing must not hang the probe."""
         from twisted.internet.task import Clock
 
-        from rolemesh.children.supervisor import http_probe
+        from rolemesh.children.probes import http_probe
 
         class Response:
             code = 200
@@ -763,7 +756,7 @@ class DeliveryTests(SynchronousTestCase):
     def test_states_are_named_constants_that_read_as_their_values(self):
         import json
 
-        from rolemesh.children.supervisor import DeviceState
+        from rolemesh.children.state import DeviceState
 
         self.assertIs(self.h.sup.state, DeviceState.STOPPED)
         self.assertEqual(json.dumps({"state": READY}), '{"state": "ready"}')

@@ -22,7 +22,7 @@ from treq.testing import StubTreq
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 from twisted.web.resource import Resource
 
-from rolemesh.children.supervisor import READY
+from rolemesh.children.state import READY
 from rolemesh.children.telemetry import (
     BACKEND_METRICS_STALE,
     LOAD_STEPS,

@@ -13,7 +13,7 @@ from typing import List, Tuple
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from rolemesh.children.supervisor import wrap_argv
+from rolemesh.children.process import wrap_argv
 
 #: Prints its pid once it runs (after the exec), then waits for a signal (a kill).
 SLEEPER = [sys.executable, "-S", "-c", "import os, signal; print(os.getpid(), flush=True); signal.pause()"]

@@ -27,7 +27,7 @@ from twisted.web.resource import Resource
 
 from rolemesh import __version__
 from rolemesh.base.devices import DeviceMetrics, DeviceRef
-from rolemesh.children.supervisor import DeviceState
+from rolemesh.children.state import DeviceState
 from rolemesh.config.file import BACKEND_NAMES, LoraAdapter, ModelConfig, NodeConfig
 from rolemesh.fleet.dispatcher import (
     REGISTERED,

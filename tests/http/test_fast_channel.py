@@ -14,8 +14,9 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from rolemesh.http.fast_channel import MAX_QUEUED, FastChannel, FastRequest
+from rolemesh.http.fast_channel import FastChannel, FastRequest
 from rolemesh.http.listener import GuardedSite
+from rolemesh.http.request_reader import MAX_QUEUED
 
 BODY = b'{"model": "m"}'
 

@@ -13,7 +13,8 @@ from twisted.trial.unittest import TestCase
 from rolemesh.backends.cpu import CpuBackend
 from rolemesh.base import errors
 from rolemesh.children.pidfiles import PidFiles
-from rolemesh.children.supervisor import FAILED, READY, STOPPED, DeviceSupervisor
+from rolemesh.children.state import FAILED, READY, STOPPED
+from rolemesh.children.supervisor import DeviceSupervisor
 from rolemesh.config.file import validate
 from tests.integration.harness import (
     corrupt_model,

@@ -11,12 +11,14 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.base import errors
-from rolemesh.children.supervisor import READY, ChildEndpoint
+from rolemesh.children.state import READY
+from rolemesh.children.views import ChildEndpoint
 from rolemesh.node.admission import Admission
 from rolemesh.node.leases import Lease
+from rolemesh.scheduling.books import CANCELLED, QUEUED, RUNNING, Ticket
 from rolemesh.scheduling.fairqueue import Share
 from rolemesh.scheduling.prefix import PrefixMemory
-from rolemesh.scheduling.scheduler import CANCELLED, QUEUED, RUNNING, Scheduler, Ticket
+from rolemesh.scheduling.scheduler import Scheduler
 from tests.fixtures.fakes import make_config
 from tests.node.test_node import NodeHarness, assert_a_request_restarts_the_countdown
 

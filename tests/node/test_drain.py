@@ -11,7 +11,7 @@ from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.base import errors
-from rolemesh.children.supervisor import STARTING
+from rolemesh.children.state import STARTING
 from rolemesh.node.drain import Drain
 from tests.node.test_node import NodeHarness
 

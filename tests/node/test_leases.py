@@ -12,9 +12,11 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.base import errors
-from rolemesh.children.supervisor import READY, ChildEndpoint
+from rolemesh.children.state import READY
+from rolemesh.children.views import ChildEndpoint
 from rolemesh.node.leases import Acquisition, Lease, LeaseStarts, UnloadRequest, refuse, refuse_waiting
-from rolemesh.scheduling.scheduler import CANCELLED, DONE, QUEUED, RUNNING, UNLOAD, Scheduler
+from rolemesh.scheduling.books import CANCELLED, DONE, QUEUED, RUNNING
+from rolemesh.scheduling.scheduler import UNLOAD, Scheduler
 from tests.fixtures.fakes import make_config
 from tests.node.test_node import NodeHarness
 

@@ -11,9 +11,10 @@ from twisted.internet import defer
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.base import errors
-from rolemesh.children.supervisor import READY, STARTING, STOPPED, STOPPING, DeviceSupervisor
+from rolemesh.children.state import READY, STARTING, STOPPED, STOPPING
+from rolemesh.children.supervisor import DeviceSupervisor
 from rolemesh.node.node import Lease, Node
-from rolemesh.scheduling.scheduler import CANCELLED, DONE, QUEUED, RUNNING
+from rolemesh.scheduling.books import CANCELLED, DONE, QUEUED, RUNNING
 from tests.fixtures.fakes import (
     FakeBackend,
     FakeProbe,

@@ -16,7 +16,7 @@ from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
 
 from rolemesh.api.readiness import decide
-from rolemesh.children.supervisor import READY, STOPPED, STOPPING
+from rolemesh.children.state import READY, STOPPED, STOPPING
 from rolemesh.config.file import TOP_LEVEL_KEYS, NodeConfig
 from rolemesh.node.node import Lease
 from rolemesh.node.reload import LIVE_KEYS, RESTART_KEYS, ReloadResult, effective, leaving, needs_new_child, plan

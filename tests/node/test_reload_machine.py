@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.children.supervisor import READY, STARTING
+from rolemesh.children.state import READY, STARTING
 from rolemesh.node.leases import Lease
 from tests.fixtures.fakes import FakeProcess, make_config
 from tests.node.test_node import NodeHarness

@@ -10,7 +10,7 @@ from twisted.internet import defer
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.children.supervisor import READY, STARTING, STOPPED, STOPPING
+from rolemesh.children.state import READY, STARTING, STOPPED, STOPPING
 from rolemesh.node.timers import DeviceTimers
 from tests.fixtures.fakes import make_config
 from tests.node.test_node import MODELS, NodeHarness, assert_a_request_restarts_the_countdown

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.children.supervisor import READY, STARTING, STOPPED
+from rolemesh.children.state import READY, STARTING, STOPPED
 from rolemesh.node.views import NodeViews
 from rolemesh.scheduling.placement import Placement
 from rolemesh.scheduling.prefix import PrefixMemory

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 from twisted.trial.unittest import SynchronousTestCase
 
+from rolemesh.scheduling.books import DONE, QUEUED, RUNNING, QueueFull
 from rolemesh.scheduling.fairqueue import BATCH, INTERACTIVE, FairOrder, Share
-from rolemesh.scheduling.scheduler import DONE, QUEUED, RUNNING, QueueFull, Scheduler
+from rolemesh.scheduling.scheduler import Scheduler
 from tests.scheduling.test_scheduler import TicketRules
 
 

@@ -23,7 +23,8 @@ from rolemesh.backends.vulkan import VulkanBackend
 from rolemesh.base import errors
 from rolemesh.base.devices import DeviceMetrics, DeviceRef
 from rolemesh.base.errors import ConfigError
-from rolemesh.children.supervisor import READY, STOPPED, STOPPING, DeviceSupervisor
+from rolemesh.children.state import READY, STOPPED, STOPPING
+from rolemesh.children.supervisor import DeviceSupervisor
 from rolemesh.cli import check_report, memory_report
 from rolemesh.node.node import Lease, Node
 from rolemesh.scheduling.estimate import AdapterFacts, GGUFFacts

@@ -13,7 +13,8 @@ from hypothesis.stateful import (
 )
 from twisted.trial.unittest import SynchronousTestCase
 
-from rolemesh.scheduling.scheduler import CANCELLED, DONE, QUEUED, RUNNING, QueueFull, Scheduler
+from rolemesh.scheduling.books import CANCELLED, DONE, QUEUED, RUNNING, QueueFull
+from rolemesh.scheduling.scheduler import Scheduler
 
 
 class Recorder:
