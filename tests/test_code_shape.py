@@ -59,3 +59,17 @@ class SizeTests(SynchronousTestCase):
         with open(os.path.join(root, "m.py"), "w", encoding="utf-8") as f:
             f.write("class C:\n    def f(self):\n" + "        x = 1\n" * 70)
         self.assertEqual(sorted(definitions(root)), [("m.py", "class", "C", 72), ("m.py", "def", "f", 71)])
+
+
+class TestTreeTests(SynchronousTestCase):
+    def test_the_unit_tests_mirror_the_packages(self) -> None:
+        """tests/<package>/ for each package under rolemesh/ that has unit
+        tests, and no folder that names none; fakes and fixtures live in
+        tests/fixtures/, the integration tier in tests/integration/."""
+        tests = os.path.join(REPO, "tests")
+        folders = {d for d in os.listdir(tests) if os.path.isfile(os.path.join(tests, d, "__init__.py"))}
+        packages = {d for d in os.listdir(PACKAGE) if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py"))}
+        self.assertEqual(folders - packages, {"fixtures", "integration"})
+        self.assertLessEqual({"api", "node", "children", "scheduling", "http", "config", "fleet", "base"}, folders)
+        stray = sorted(n for n in os.listdir(tests) if n.endswith(".py") and not n.startswith(("test_", "__init__")))
+        self.assertEqual(stray, [], "support modules belong in tests/fixtures/")
