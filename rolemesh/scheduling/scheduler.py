@@ -126,10 +126,6 @@ class Scheduler:
         """The lane a new request for ``model_id`` should queue on (see :meth:`Lanes.choose`)."""
         return self.lanes.choose(model_id, self.pending_limit, only, lanes, need, prefer, max_imbalance, replicas)
 
-    def _fits(self, book: DeviceBook, need: Optional[int]) -> bool:
-        """Whether ``need`` fits on ``book`` (see :meth:`Lanes.fits`)."""
-        return self.lanes.fits(book, need)
-
     def submit(
         self,
         model_id: str,

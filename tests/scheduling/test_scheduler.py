@@ -285,10 +285,10 @@ class SchedulerMachine(TicketRules, RuleBasedStateMachine):
         cap = self.replicas[model]
         holding = [b for b in books if b.model == model and b.pending < self.limit]
         needs = None if need is None else {b.name: need for b in books}
-        fitting = [b.name for b in books if b.pending < self.limit and self.scheduler._fits(b, need)]
+        fitting = [b.name for b in books if b.pending < self.limit and self.scheduler.lanes.fits(b, need)]
         claimed = [b for b in books if b.model == model or any(t.model_id == model for t in b.queue)]
         spare = [b.name for b in books if b.model is None and not b.running and not b.queue
-                 and self.scheduler._fits(b, need)]
+                 and self.scheduler.lanes.fits(b, need)]
         # Whether the holder it would take has no free slot (seen before the submit).
         best = min(holding, key=lambda b: (b.pending, b.order)) if holding else None
         waits = best is not None and best.pending >= best.slots
