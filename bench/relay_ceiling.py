@@ -56,7 +56,6 @@ import math
 import os
 import selectors
 import socket
-import statistics
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -65,7 +64,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.capacity import cpu_seconds, start_nginx  # noqa: E402 - after the path set-up
+from bench.capacity import cpu_seconds, median, start_nginx  # noqa: E402 - after the path set-up
 from bench.proxy_overhead import (  # noqa: E402
     MODEL_ID,
     Client,
@@ -86,10 +85,6 @@ ISSUE_US = {"agent": {8: 64.6, 64: 29.1, 256: 22.7}, "relay": {8: 73.4, 64: 41.1
             "nginx": {8: 17.4, 64: 12.5, 256: 12.4}}
 
 Pids = Dict[str, int]
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
 def snapshot(pids: Pids) -> Dict[str, Tuple[float, float]]:
