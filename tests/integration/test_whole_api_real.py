@@ -59,12 +59,13 @@ class WholeApiRealTests(SynchronousTestCase):
         anthropic, _ = sdks()
         client = anthropic.Anthropic(base_url=self.agent.url, api_key=KEY, max_retries=0)
         message = client.messages.create(model="tiny", max_tokens=4, messages=HI, extra_body=FULL)
-        self.assertEqual((message.type, message.role, message.usage.output_tokens), ("message", "assistant", 4))
-        # This llama-server build drops the first events of about one stream in ten on its own (measured
-        # directly: 8 of 80 began after message_start), and the SDK then raises "Unexpected event order":
-        # a stream is tried up to five times, and only that may fail it (an SDK that does not raise
-        # hands over a stream that begins later: the same case).
-        for _ in range(5):
+        self.assertEqual((message.type, message.role), ("message", "assistant"))
+        self.assertTokensAsStopped(message)
+        # This llama-server build drops the first events of about one stream in three on its own
+        # (measured directly, 66 of 200 began after message_start: the random weights' first tokens are
+        # often partial UTF-8). The SDK then raises "Unexpected event order" (older releases) or hands
+        # over a stream with no snapshot (2.x): a stream is tried up to ten times, and only that may fail it.
+        for _ in range(10):
             try:
                 with client.messages.stream(model="tiny", max_tokens=4, messages=HI, extra_body=FULL) as stream:
                     kinds = [event.type for event in stream]
@@ -74,7 +75,7 @@ class WholeApiRealTests(SynchronousTestCase):
             if kinds[0] == "message_start":
                 break
         self.assertEqual((kinds[0], kinds[-1]), ("message_start", "message_stop"), kinds)
-        self.assertEqual(stream.get_final_message().usage.output_tokens, 4)
+        self.assertTokensAsStopped(stream.get_final_message())
         counted = client.messages.count_tokens(model="tiny", messages=HI)
         self.assertGreater(counted.input_tokens, 0)
         wait_until(lambda: "POST /v1/messages/count_tokens tiny -> 200 on cpu:0" in self.agent.log_text(), 5,
@@ -88,6 +89,16 @@ class WholeApiRealTests(SynchronousTestCase):
                           status="200") or 0) >= 2
 
         wait_until(counted_200, 5, what="two 200s of /v1/messages in the metrics")
+
+    def assertTokensAsStopped(self, message: Any) -> None:  # noqa: N802 - unittest's style
+        """Four tokens when it stopped at max_tokens. llama-server's /v1/messages does not honour
+        ignore_eos (measured directly: 7 of 150 answers ended "end_turn", after 1 to 4 tokens), so
+        an end_turn may come first."""
+        self.assertIn(message.stop_reason, ("max_tokens", "end_turn"))
+        if message.stop_reason == "max_tokens":
+            self.assertEqual(message.usage.output_tokens, 4)
+        else:
+            self.assertIn(message.usage.output_tokens, range(1, 5))
 
     def test_the_nodes_own_errors_raise_the_anthropic_sdks_classes(self) -> None:
         anthropic, _ = sdks()
