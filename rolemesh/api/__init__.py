@@ -9,7 +9,9 @@
 and the probes (:mod:`~rolemesh.api.node_routes`), keys and error answers
 (:mod:`~rolemesh.api.keys`, :mod:`~rolemesh.api.answers`), ``/ready``
 (:mod:`~rolemesh.api.readiness`) and ``/metrics``
-(:mod:`~rolemesh.api.metrics`: ``NodeMetrics``).
+(:mod:`~rolemesh.api.metrics`: ``NodeMetrics``; its live families in
+:mod:`~rolemesh.api.live_metrics`, the text in
+:mod:`~rolemesh.api.exposition`).
 
 May import :mod:`rolemesh.fleet`, :mod:`rolemesh.node` and every layer
 below; the route modules reach the children only through the node

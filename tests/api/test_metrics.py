@@ -291,7 +291,7 @@ class RequestTests(SynchronousTestCase):
 
     def test_supervisor_listener_errors_are_caught_and_logged(self) -> None:
         class Broken:
-            def labels(self, **_: Any) -> Any:
+            def observe(self, *_: Any) -> None:
                 raise RuntimeError("histogram bug")
 
         self.m.load_duration = Broken()  # type: ignore[assignment]
