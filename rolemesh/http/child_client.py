@@ -345,7 +345,10 @@ class ChildConnection(Protocol):
 
     def dataReceived(self, data: bytes) -> None:  # noqa: N802 - Twisted's name
         if self._state == _BODY:
-            self._body_data(data)
+            if self._framing == _CHUNKED:
+                self._chunked_data(data)
+            else:
+                self._body_data(data)
         elif self._state == _WAITING:
             self._head_data(data)
         else:  # bytes nobody asked for: the connection is not in a state to reuse
@@ -429,6 +432,22 @@ class ChildConnection(Protocol):
         self._deliver(data)
 
     def _chunked_data(self, data: bytes) -> None:
+        if self._chunk_state == _SIZE and not self._buf:
+            # A stream's usual read: one whole chunk (llama-server writes each
+            # event as one), with a plain size line; anything else (an
+            # extension, several chunks, a part, the last chunk) is the loop's.
+            end = data.find(b"\r\n", 0, 17)
+            if end > 0 and _HEX.fullmatch(data, 0, end) is not None:
+                stop = end + 2 + int(data[:end], 16)
+                if stop > end + 2 and len(data) == stop + 2 and data.endswith(b"\r\n"):
+                    body = self._body
+                    if body is not None:
+                        body.dataReceived(data[end + 2:stop])
+                    else:
+                        self._pending.append(data[end + 2:stop])
+                    if self._pool.coalesce_s and len(data) < COALESCE_BELOW and self._state == _BODY:
+                        self._maybe_hold(data)
+                    return
         buf = self._buf + data if self._buf else data
         out: List[bytes] = []
         pos, size = 0, len(buf)

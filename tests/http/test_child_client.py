@@ -490,6 +490,7 @@ class StrictFramingTests(SynchronousTestCase):
         transport = Transport()
         protocol.makeConnection(transport)
         protocol.dataReceived(answer)
+        self.protocol = protocol
         return d, transport
 
     def assertRefused(self, answer: bytes) -> None:
@@ -541,6 +542,39 @@ class StrictFramingTests(SynchronousTestCase):
             self.assertTrue(body.reason.check(ResponseFailed), size)
             self.assertTrue(body.reason.value.reasons[0].check(BadResponse), size)
             self.assertEqual((body.data, transport.aborted), (b"", 1), size)
+
+    def test_a_stream_read_a_chunk_at_a_time_is_held_to_the_same_rules(self) -> None:
+        """Reads of one whole chunk each (a stream's usual read, which takes a
+        shorter way through the decoder) end as the same bytes read one at a
+        time (which never do): the same body, the same failure."""
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        end = b"0\r\n\r\n"
+        cases = [
+            [b"5\r\nhello\r\n", b"A\r\n0123\r\n6789\r\n", b"2;x=1\r\nab\r\n", b"00003\r\nxyz\r\n", end],
+            [b"5\r\nhelloXX", b"\r\n", end], [b"5\r\nhello\n\n", end], [b"0x5\r\nhello\r\n", end],
+            [b"1" * 16 + b"\r\nx\r\n", end], [b"-5\r\nhello\r\n", end], [b" 5\r\nhello\r\n", end],
+            [b"5\r\nhello\r\r\n", end], [b"3\r\nabc\r\n", b"3\r\nabcd\r\n", end],
+        ]
+
+        def outcome(reads: List[bytes]) -> Tuple[bytes, Optional[str], int]:
+            self.agent = ChildAgent(self.reactor)
+            d, transport = self.exchange(head)
+            body = Body()
+            self.successResultOf(d).deliverBody(body)
+            for read in reads:
+                self.protocol.dataReceived(read)
+            failed = None if body.reason is None else str(body.reason.value.reasons[0].value) if body.reason.check(
+                ResponseFailed) else "done"
+            return body.data, failed, transport.aborted
+
+        for reads in cases:
+            whole = b"".join(reads)
+            chunked, bytewise = outcome(reads), outcome([whole[i:i + 1] for i in range(len(whole))])
+            if chunked[1] != "done":  # how much came before a failure differs by the reads: the end does not
+                chunked, bytewise = chunked[1:], bytewise[1:]
+            self.assertEqual(chunked, bytewise, reads)
+        self.assertEqual(outcome(cases[0]), (b"hello0123\r\n6789abxyz", "done", 0))
+        self.assertEqual(outcome(cases[1])[1:], ("bad chunk end", 1))
 
     def test_chunk_sizes_any_case_and_extensions(self) -> None:
         d, _ = self.exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
