@@ -431,23 +431,28 @@ class ChildConnection(Protocol):
             self._left -= len(data)
         self._deliver(data)
 
+    def _whole_chunk(self, data: bytes) -> bool:
+        """A stream's usual read: one whole chunk (llama-server writes each
+        event as one) with a plain size line, delivered on a short way; False
+        for anything else (an extension, several chunks, a part, the last
+        chunk), which is the general loop's."""
+        end = data.find(b"\r\n", 0, 17)
+        if end > 0 and _HEX.fullmatch(data, 0, end) is not None:
+            stop = end + 2 + int(data[:end], 16)
+            if stop > end + 2 and len(data) == stop + 2 and data.endswith(b"\r\n"):
+                body = self._body
+                if body is not None:
+                    body.dataReceived(data[end + 2:stop])
+                else:
+                    self._pending.append(data[end + 2:stop])
+                if self._pool.coalesce_s and len(data) < COALESCE_BELOW and self._state == _BODY:
+                    self._maybe_hold(data)
+                return True
+        return False
+
     def _chunked_data(self, data: bytes) -> None:
-        if self._chunk_state == _SIZE and not self._buf:
-            # A stream's usual read: one whole chunk (llama-server writes each
-            # event as one), with a plain size line; anything else (an
-            # extension, several chunks, a part, the last chunk) is the loop's.
-            end = data.find(b"\r\n", 0, 17)
-            if end > 0 and _HEX.fullmatch(data, 0, end) is not None:
-                stop = end + 2 + int(data[:end], 16)
-                if stop > end + 2 and len(data) == stop + 2 and data.endswith(b"\r\n"):
-                    body = self._body
-                    if body is not None:
-                        body.dataReceived(data[end + 2:stop])
-                    else:
-                        self._pending.append(data[end + 2:stop])
-                    if self._pool.coalesce_s and len(data) < COALESCE_BELOW and self._state == _BODY:
-                        self._maybe_hold(data)
-                    return
+        if self._chunk_state == _SIZE and not self._buf and self._whole_chunk(data):
+            return
         buf = self._buf + data if self._buf else data
         out: List[bytes] = []
         pos, size = 0, len(buf)
