@@ -359,7 +359,7 @@ def empty_connections(port: int, n: int) -> int:
     return n
 
 
-def table_b(args: argparse.Namespace, ports: Dict[str, int], pids: Pids, child: str) -> None:
+def table_b(args: argparse.Namespace, ports: Dict[str, int], pids: Pids, child: str) -> Dict[Tuple[str, str], float]:
     names = list(pids)
     post = chat_body(1, False)
 
@@ -400,13 +400,15 @@ def table_b(args: argparse.Namespace, ports: Dict[str, int], pids: Pids, child: 
     print(f"    {'fresh - kept-alive (connection)':32}" + "".join(
         f"{(med[(fresh, n)] - med[(kept, n)]) * 1e6:8.0f} us" for n in names))
     print("    (GET /health: the agent answers it itself; the relay and nginx pass it to the child)")
+    return med
 
 
 # --------------------------------------------------------------------------
 # C: the idle agent and GET /metrics
 
 
-def line_c(args: argparse.Namespace, procs: Processes, workdir: str, model: str, standin: str) -> None:
+def line_c(args: argparse.Namespace, procs: Processes, workdir: str, model: str,
+           standin: str) -> Tuple[float, float]:
     from tests.fixtures.llama import llama_server_binary
 
     real = args.llama_server or llama_server_binary()
@@ -438,6 +440,36 @@ def line_c(args: argparse.Namespace, procs: Processes, workdir: str, model: str,
           f"(mean of {args.scrapes})")
     agent.terminate()
     agent.wait(30)
+    return idle / wall, per_scrape
+
+
+#: Issue 37's "Done when": agent / nginx CPU per event at most, by streams.
+EVENT_TARGETS = {8: 2.0, 64: 1.5, 256: 1.5}
+#: Agent / relay CPU per 1-token request at most, by table B's row.
+REQUEST_TARGETS = {"1-token chat, fresh connection": 0.5, "1-token chat, kept-alive": 0.4}
+IDLE_TARGET, SCRAPE_TARGET_S = 0.003, 0.0005
+
+
+def print_targets(a: Dict[Tuple[str, int], float], b: Dict[Tuple[str, str], float],
+                  c: Optional[Tuple[float, float]]) -> None:
+    """This run against issue 37's targets (the issue asks for medians of three runs)."""
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "MISS"
+
+    print("\ntargets (issue 37; this run's medians):")
+    for streams, bar in EVENT_TARGETS.items():
+        if ("nginx", streams) in a and ("agent", streams) in a:
+            ratio = a[("agent", streams)] / a[("nginx", streams)]
+            print(f"    CPU per SSE event at {streams:>3} streams, agent / nginx = {ratio:.2f} (<= {bar:g})   "
+                  f"{verdict(ratio <= bar)}")
+    for label, bar in REQUEST_TARGETS.items():
+        ratio = b[(label, "agent")] / b[(label, "relay")]
+        print(f"    CPU per request, {label[len('1-token chat, '):]}: agent / relay = {ratio:.2f} (<= {bar:g})   "
+              f"{verdict(ratio <= bar)}")
+    if c is not None:
+        print(f"    idle agent: {c[0]:.2%} of a core (<= {IDLE_TARGET:.1%})   {verdict(c[0] <= IDLE_TARGET)}")
+        print(f"    GET /metrics: {c[1] * 1e3:.2f} ms of CPU (<= {SCRAPE_TARGET_S * 1e3:g} ms)   "
+              f"{verdict(c[1] <= SCRAPE_TARGET_S)}")
 
 
 # --------------------------------------------------------------------------
@@ -472,14 +504,14 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
              ("nginx: skipped (--no-nginx); " if args.no_nginx else
               "nginx: not installed, skipped (apt-get install -y nginx); "))
           + f"child {child} pid {child_pid} :{child_port}; set-up {time.monotonic() - t0:.1f}s\n", flush=True)
-    table_a(args, ports, pids, child_pid)
+    a = table_a(args, ports, pids, child_pid)["medians"]
     if args.check_clock:
         check_clock(args, port, agent.pid, child_pid)
-    table_b(args, ports, pids, child)
+    b = table_b(args, ports, pids, child)
     agent.terminate()  # C starts an agent of its own; this one (and its child) would only add idle noise
     agent.wait(30)
-    if args.idle_seconds > 0:
-        line_c(args, procs, workdir, model, standin)
+    c = line_c(args, procs, workdir, model, standin) if args.idle_seconds > 0 else None
+    print_targets(a, b, c)  # type: ignore[arg-type]  # table_a's medians are that dict
     return 0
 
 
