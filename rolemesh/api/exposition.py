@@ -27,10 +27,20 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import Metric
-from prometheus_client.openmetrics.exposition import UNDERSCORES, escape_label_name, escape_metric_name
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import INF, floatToGoString
+
+try:  # prometheus_client 0.22 and later escape names that are not legacy ones
+    from prometheus_client.openmetrics.exposition import UNDERSCORES, escape_label_name, escape_metric_name
+except ImportError:  # older releases write every name as it is (and allow legacy names only)
+    UNDERSCORES = "underscores"
+
+    def escape_metric_name(s: str, escaping: str = UNDERSCORES) -> str:
+        return s
+
+    def escape_label_name(s: str, escaping: str = UNDERSCORES) -> str:
+        return s
 
 #: Exposition types as the text format names them (prometheus_client's munging).
 _TEXT_TYPES = {"info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram", "unknown": "untyped"}
