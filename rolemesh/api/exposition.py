@@ -135,21 +135,49 @@ class _CounterSeries:
         self.line: Optional[str] = None
 
 
-class PlainCounter(Collector):
+class _PlainFamily(Collector):
+    """What the plain families share: their name, help and label names, and
+    their text, kept until a change drops it (``_text = None``)."""
+
+    #: The family's type, as :class:`~prometheus_client.core.Metric` names it.
+    kind = ""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        #: (whether ``_created`` lines were in it, the text), or None after a change.
+        self._text: Optional[Tuple[bool, bytes]] = None
+        #: Times the family's text was made (tests: a scrape of nothing new makes none).
+        self.renders = 0
+
+    def describe(self) -> Iterable[Metric]:
+        return [Metric(self.name, self.documentation, self.kind)]
+
+    def text(self) -> bytes:
+        """What :meth:`collect` renders to, made again only after a change."""
+        created = created_series()
+        if self._text is None or self._text[0] != created:
+            self._text = (created, self._render(created).encode("utf-8"))
+            self.renders += 1
+        return self._text[1]
+
+    def _render(self, created: bool) -> str:
+        raise NotImplementedError
+
+
+class PlainCounter(_PlainFamily):
     """A labelled counter kept as plain floats: the samples prometheus_client's
     ``Counter`` renders, one for one, without its label validation and lock
     on every increment (the agent counts and scrapes on the reactor thread
     only)."""
 
+    kind = "counter"
+
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
-        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        super().__init__(name, documentation, labelnames)
         #: label values -> the series (in the order they were first seen).
         self.series: Dict[Tuple[str, ...], _CounterSeries] = {}
         #: label values -> ``{...}`` as written, and the ``_created`` line (both fixed).
         self._labels: Dict[Tuple[str, ...], Tuple[str, str]] = {}
-        self._text: Optional[Tuple[bool, bytes]] = None
-        #: Times the family's text was made (tests: a scrape of nothing new makes none).
-        self.renders = 0
 
     def labels(self, labels: Tuple[str, ...]) -> None:
         """Make the series of ``labels`` (at 0) if it is not there yet."""
@@ -166,9 +194,6 @@ class PlainCounter(Collector):
             series.line = None
         self._text = None
 
-    def describe(self) -> Iterable[Metric]:
-        return [Metric(self.name, self.documentation, "counter")]
-
     def collect(self) -> Iterable[Metric]:
         metric = Metric(self.name, self.documentation, "counter")
         created = created_series()
@@ -177,14 +202,6 @@ class PlainCounter(Collector):
             if created:
                 metric.add_sample(self.name + "_created", dict(zip(self.labelnames, labels)), series.created)
         return [metric]
-
-    def text(self) -> bytes:
-        """What :meth:`collect` renders to, made again only after a change."""
-        created = created_series()
-        if self._text is None or self._text[0] != created:
-            self._text = (created, self._render(created).encode("utf-8"))
-            self.renders += 1
-        return self._text[1]
 
     def _render(self, created: bool) -> str:
         total = metric_name(self.name + "_total")
@@ -219,14 +236,16 @@ class _HistogramSeries:
         self.lines: Optional[str] = None
 
 
-class PlainHistogram(Collector):
+class PlainHistogram(_PlainFamily):
     """A labelled histogram kept as plain numbers: the samples
     prometheus_client's ``Histogram`` renders (cumulative buckets, count,
     sum, created), one for one, without its two locked increments and label
     checks per observation."""
 
+    kind = "histogram"
+
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float]) -> None:
-        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        super().__init__(name, documentation, labelnames)
         self.bounds = tuple(float(b) for b in buckets) + (INF,)
         self._le = tuple(floatToGoString(b) for b in self.bounds)
         #: label values -> its series (in the order they were first seen).
@@ -234,9 +253,6 @@ class PlainHistogram(Collector):
         #: label values -> each bucket's ``name{...}`` prefix, the count's,
         #: the sum's, and the ``_created`` line (all fixed).
         self._labels: Dict[Tuple[str, ...], Tuple[Tuple[str, ...], str, str, str]] = {}
-        self._text: Optional[Tuple[bool, bytes]] = None
-        #: Times the family's text was made (tests: a scrape of nothing new makes none).
-        self.renders = 0
 
     def labels(self, labels: Tuple[str, ...]) -> _HistogramSeries:
         """The series of ``labels``, made (all zero) if it is not there yet."""
@@ -255,9 +271,6 @@ class PlainHistogram(Collector):
         series.lines = None
         self._text = None
 
-    def describe(self) -> Iterable[Metric]:
-        return [Metric(self.name, self.documentation, "histogram")]
-
     def collect(self) -> Iterable[Metric]:
         metric = Metric(self.name, self.documentation, "histogram")
         created = created_series()
@@ -272,14 +285,6 @@ class PlainHistogram(Collector):
             if created:
                 metric.add_sample(self.name + "_created", dict(named), series.created)
         return [metric]
-
-    def text(self) -> bytes:
-        """What :meth:`collect` renders to, made again only after a change."""
-        created = created_series()
-        if self._text is None or self._text[0] != created:
-            self._text = (created, self._render(created).encode("utf-8"))
-            self.renders += 1
-        return self._text[1]
 
     def _fixed(self, labels: Tuple[str, ...], series: _HistogramSeries) -> Tuple[Tuple[str, ...], str, str, str]:
         named = list(zip(self.labelnames, labels))
