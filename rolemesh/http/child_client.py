@@ -320,6 +320,8 @@ class ChildConnection(Protocol):
         stretched: its slot is free as soon as it ends), and not at all once
         the answer's last event is in (llama-server's ``finish_reason`` or
         ``[DONE]``: the end follows at once)."""
+        if len(data) >= COALESCE_BELOW or self._state != _BODY:
+            return
         hold = min(self._pool.coalesce_s, self._pool._reactor.seconds() - self._body_began)
         if hold >= MIN_HOLD_S and not any(mark in data for mark in _LAST_EVENT):
             self._hold(hold)
@@ -345,10 +347,7 @@ class ChildConnection(Protocol):
 
     def dataReceived(self, data: bytes) -> None:  # noqa: N802 - Twisted's name
         if self._state == _BODY:
-            if self._framing == _CHUNKED:
-                self._chunked_data(data)
-            else:
-                self._body_data(data)
+            self._body_data(data)
         elif self._state == _WAITING:
             self._head_data(data)
         else:  # bytes nobody asked for: the connection is not in a state to reuse
@@ -440,12 +439,8 @@ class ChildConnection(Protocol):
         if end > 0 and _HEX.fullmatch(data, 0, end) is not None:
             stop = end + 2 + int(data[:end], 16)
             if stop > end + 2 and len(data) == stop + 2 and data.endswith(b"\r\n"):
-                body = self._body
-                if body is not None:
-                    body.dataReceived(data[end + 2:stop])
-                else:
-                    self._pending.append(data[end + 2:stop])
-                if self._pool.coalesce_s and len(data) < COALESCE_BELOW and self._state == _BODY:
+                self._deliver(data[end + 2:stop])
+                if self._pool.coalesce_s:  # off by default: no call per event then
                     self._maybe_hold(data)
                 return True
         return False
@@ -494,7 +489,7 @@ class ChildConnection(Protocol):
         self._buf = buf[pos:] if pos < size and not done else b""
         if out:
             self._deliver(out[0] if len(out) == 1 else b"".join(out))
-            if not done and self._pool.coalesce_s and size < COALESCE_BELOW and self._state == _BODY:
+            if not done and self._pool.coalesce_s:
                 self._maybe_hold(buf)
         if done:
             if pos < size:
