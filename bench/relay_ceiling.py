@@ -211,7 +211,8 @@ def stream_block(port: int, n: int, body: bytes, window: float, settle: float, p
     return out
 
 
-def table_a(args: argparse.Namespace, ports: Dict[str, int], pids: Pids, child_pid: int) -> Dict[str, object]:
+def table_a(args: argparse.Namespace, ports: Dict[str, int], pids: Pids,
+            child_pid: int) -> Dict[Tuple[str, int], float]:
     names = list(pids)
     tokens = math.ceil((args.settle + args.window + 1.0) / args.pace)
     body = chat_body(tokens, True, long=True)
@@ -255,7 +256,7 @@ def table_a(args: argparse.Namespace, ports: Dict[str, int], pids: Pids, child_p
     ticks = {n: sum(m[n + "_ticks"] for c in args.concurrency for m in results[(n, c)]) for n in names}
     print("    clock check (every window above, summed): " + "; ".join(
         f"{n} schedstat {ns[n]:.2f}s ticks {ticks[n]:.2f}s ({ticks[n] / ns[n] - 1:+.1%})" for n in names if ns[n]))
-    return {"medians": medians}
+    return medians
 
 
 def check_clock(args: argparse.Namespace, port: int, pid: int, child_pid: int) -> None:
@@ -504,14 +505,14 @@ def run(args: argparse.Namespace, procs: Processes, workdir: str) -> int:
              ("nginx: skipped (--no-nginx); " if args.no_nginx else
               "nginx: not installed, skipped (apt-get install -y nginx); "))
           + f"child {child} pid {child_pid} :{child_port}; set-up {time.monotonic() - t0:.1f}s\n", flush=True)
-    a = table_a(args, ports, pids, child_pid)["medians"]
+    a = table_a(args, ports, pids, child_pid)
     if args.check_clock:
         check_clock(args, port, agent.pid, child_pid)
     b = table_b(args, ports, pids, child)
     agent.terminate()  # C starts an agent of its own; this one (and its child) would only add idle noise
     agent.wait(30)
     c = line_c(args, procs, workdir, model, standin) if args.idle_seconds > 0 else None
-    print_targets(a, b, c)  # type: ignore[arg-type]  # table_a's medians are that dict
+    print_targets(a, b, c)
     return 0
 
 
