@@ -13,11 +13,12 @@ from __future__ import annotations
 import errno
 import hashlib
 import inspect
+import socket
 import textwrap
 from typing import Optional
 
 from twisted.internet import tcp
-from twisted.internet.interfaces import IReactorTime, ITransport
+from twisted.internet.interfaces import IProtocolFactory, IReactorTime, ITransport
 from twisted.python import log as legacy_log
 from twisted.python.failure import Failure
 from twisted.web._newclient import RequestNotSent  # not in twisted.web.client.__all__
@@ -110,6 +111,65 @@ def write_pending(transport: ITransport) -> bool:
     return len(data) > getattr(transport, "offset", 0) or bool(getattr(transport, "_tempDataBuffer", None))
 
 
+class AgentPort(tcp.Port):
+    """A listening TCP port whose accept loop is Twisted's ``Port.doRead``
+    without what it builds per wake-up for its rare errors: a buffering
+    ``Logger`` (two ``Logger.__get__``), a generator, and, before Twisted 26,
+    two ``fcntl`` calls per socket for the close-on-exec flag that Python
+    sockets are made with already.  For a client that opens a connection per
+    request that is about a tenth of the agent's CPU per connection
+    (docs/performance.md).
+
+    Every accept that fails for a reason other than "none left" is handed to
+    Twisted's own ``doRead``, which accepts again and meets the error as it
+    always does (the reserved descriptor for ``EMFILE``, ``EPERM`` from
+    netfilter, ...).  The rest is the copied loop: how many accepts per
+    wake-up (``numberAccepts``), the IPv6 scope id, a refused connection
+    (``buildProtocol`` returning None) closed, session numbers, and any error
+    of the protocol logged, not raised into the reactor.  Checked against
+    the installed Twisted's ``doRead`` by :func:`epoll_copy_differs`.
+    """
+
+    def doRead(self) -> None:  # noqa: N802 - Twisted's name
+        try:
+            limit = self.numberAccepts
+            listener = self.socket
+            build = self.factory.buildProtocol  # type: ignore[union-attr]  # None only before it listens
+            accepted = 0
+            while accepted < limit:
+                try:
+                    skt, addr = listener.accept()
+                except BlockingIOError:
+                    break
+                except OSError:
+                    tcp.Port.doRead(self)  # Twisted's own handling of the error, and its count
+                    return
+                accepted += 1
+                if len(addr) == 4:  # IPv6: with the scope id
+                    host = socket.getnameinfo(addr, socket.NI_NUMERICHOST | socket.NI_NUMERICSERV)
+                    addr = (host[0], *addr[1:])
+                protocol = build(self._buildAddr(addr))
+                if protocol is None:
+                    skt.close()
+                    continue
+                session = self.sessionno
+                self.sessionno = session + 1
+                protocol.makeConnection(self.transport(skt, protocol, addr, self, session, self.reactor))
+            self.numberAccepts = limit + 20 if accepted == limit else max(1, accepted)
+        except BaseException:
+            legacy_log.deferr()
+
+
+#: SHA-256 of ``tcp.Port.doRead``'s source (dedented) in the Twisted releases
+#: :class:`AgentPort` was compared with: 24.3.0 (which also set close-on-exec)
+#: and 26.10.0.  Add a release's digest only after reading its doRead against
+#: the copy.
+CHECKED_PORT_DOREAD = frozenset({
+    "89bcd64b6a1fe1554d2ba6e5e7430d22134661447326e47a4f5ddbc77a14be40",
+    "e8f68721622251007e895a59b7bdf816e283df87f7805f83bf9795b571050321",
+})
+
+
 try:
     from twisted.internet.epollreactor import EPollReactor as _EPollReactor
 except ImportError:  # no epoll (not Linux)
@@ -145,6 +205,13 @@ if _EPollReactor is not None:
 
         doIteration = doPoll
 
+        def listenTCP(self, port: int, factory: IProtocolFactory, backlog: int = 50,  # noqa: N802 - Twisted's name
+                      interface: str = "") -> tcp.Port:
+            """Twisted's ``listenTCP``, with :class:`AgentPort` for ``tcp.Port``."""
+            listening = AgentPort(port, factory, backlog, interface, self)
+            listening.startListening()
+            return listening
+
 else:
     AgentEPollReactor = None  # type: ignore[assignment,misc]
 
@@ -156,14 +223,17 @@ CHECKED_DOPOLL = frozenset({"312b649eff9e5e235b9126c3e8c8a2d5178bc277bd5b0fe9e10
 
 
 def epoll_copy_differs() -> Optional[str]:
-    """Why :class:`AgentEPollReactor` must not run on the installed Twisted
-    (its ``doPoll`` is not one the copy was compared with), or None."""
+    """Why :class:`AgentEPollReactor` (and the :class:`AgentPort` it listens
+    with) must not run on the installed Twisted (its ``EPollReactor.doPoll``
+    or ``tcp.Port.doRead`` is not one the copies were compared with), or None."""
     if _EPollReactor is None:
         return "this platform has no epoll"
-    try:
-        source = inspect.getsource(_EPollReactor.doPoll)
-    except (OSError, TypeError):
-        return "the installed Twisted's EPollReactor.doPoll has no source to compare with"
-    if hashlib.sha256(textwrap.dedent(source).encode("utf-8")).hexdigest() not in CHECKED_DOPOLL:
-        return "the installed Twisted's EPollReactor.doPoll is not the one rolemesh's copy was checked against"
+    for name, method, checked in (("EPollReactor.doPoll", _EPollReactor.doPoll, CHECKED_DOPOLL),
+                                  ("tcp.Port.doRead", tcp.Port.doRead, CHECKED_PORT_DOREAD)):
+        try:
+            source = inspect.getsource(method)
+        except (OSError, TypeError):
+            return f"the installed Twisted's {name} has no source to compare with"
+        if hashlib.sha256(textwrap.dedent(source).encode("utf-8")).hexdigest() not in checked:
+            return f"the installed Twisted's {name} is not the one rolemesh's copy was checked against"
     return None

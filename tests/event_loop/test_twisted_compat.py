@@ -11,7 +11,7 @@ from typing import Any, List
 
 from twisted.internet import defer, tcp
 from twisted.internet.error import CannotListenError, ConnectionLost
-from twisted.internet.protocol import Protocol
+from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
@@ -352,6 +352,147 @@ class AgentReactorTests(SynchronousTestCase):
         reactor.doIteration(None)
         self.assertEqual(seen, [("poll", -1), ("first", 7), ("third", 9)])
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1, "the error was logged")
+
+
+class _Recorded(Protocol):
+    def __init__(self, made: List["_Recorded"]) -> None:
+        self.made = made
+
+    def connectionMade(self) -> None:  # noqa: N802 - Twisted's name
+        self.made.append(self)
+
+
+class AgentPortTests(SynchronousTestCase):
+    """AgentPort's accept loop, on real sockets: connections wait in the
+    listening socket's backlog, and each test calls ``doRead`` as the
+    reactor would (the reactor is a real AgentEPollReactor, never run)."""
+
+    def listen(self, build: Any = None, interface: str = "127.0.0.1") -> Any:
+        from rolemesh.event_loop.twisted_compat import AgentEPollReactor, AgentPort
+
+        if AgentEPollReactor is None:
+            raise SkipTest("no epoll here")
+        reactor = AgentEPollReactor()
+        self.addCleanup(reactor._poller.close)
+        self.made: List[_Recorded] = []
+        factory = Factory()
+        factory.noisy = False
+        factory.buildProtocol = build or (lambda addr: _Recorded(self.made))  # type: ignore[method-assign]
+        try:
+            port = reactor.listenTCP(0, factory, interface=interface)
+        except CannotListenError as e:
+            raise SkipTest(f"cannot listen on {interface}: {e}")
+        self.assertIsInstance(port, AgentPort)
+        self.addCleanup(port.socket.close)
+        return port
+
+    def clients(self, port: Any, n: int) -> List[socket.socket]:
+        host = port.getHost()
+        out = []
+        for _ in range(n):
+            sock = socket.socket(socket.AF_INET6 if ":" in host.host else socket.AF_INET)
+            sock.settimeout(5)
+            sock.connect((host.host, host.port))  # done by the kernel: it waits in the backlog
+            self.addCleanup(sock.close)
+            out.append(sock)
+        return out
+
+    def close_accepted(self) -> None:
+        for protocol in self.made:
+            protocol.transport.socket.close()  # type: ignore[attr-defined]
+
+    def test_it_accepts_every_waiting_connection_in_one_wake_up(self) -> None:
+        port = self.listen()
+        clients = self.clients(port, 3)
+        port.doRead()
+        self.addCleanup(self.close_accepted)
+        self.assertEqual(len(self.made), 3)
+        self.assertEqual([p.transport.sessionno for p in self.made], [0, 1, 2])  # type: ignore[attr-defined]
+        self.assertTrue(all(type(p.transport) is tcp.Server for p in self.made))
+        self.assertEqual(sorted(p.transport.getPeer().port for p in self.made),  # type: ignore[union-attr]
+                         sorted(c.getsockname()[1] for c in clients))
+        self.assertEqual(port.numberAccepts, 3, "as Twisted: no more accepts next time than this time")
+        first = self.made[0].transport
+        first.write(b"hello")  # type: ignore[union-attr]
+        port.reactor.doIteration(0)  # a connection as any other: the reactor sends what it holds
+        (peer,) = [c for c in clients if c.getsockname()[1] == first.getPeer().port]  # type: ignore[union-attr]
+        self.assertEqual(peer.recv(10), b"hello")
+
+    def test_the_accepts_per_wake_up_grow_when_the_limit_is_reached(self) -> None:
+        port = self.listen()
+        self.clients(port, 3)
+        port.numberAccepts = 2
+        port.doRead()
+        self.addCleanup(self.close_accepted)
+        self.assertEqual((len(self.made), port.numberAccepts), (2, 22))
+        port.doRead()
+        self.assertEqual((len(self.made), port.numberAccepts), (3, 1))
+        port.doRead()  # none waiting
+        self.assertEqual((len(self.made), port.numberAccepts), (3, 1))
+
+    def test_a_refused_connection_is_closed(self) -> None:
+        port = self.listen(build=lambda addr: None)
+        (client,) = self.clients(port, 1)
+        port.doRead()
+        self.assertEqual(client.recv(10), b"", "closed at once")
+        self.assertEqual(port.sessionno, 0)
+
+    def test_an_error_of_a_protocol_is_logged_not_raised(self) -> None:
+        def build(addr: Any) -> Protocol:
+            raise RuntimeError("a bug in buildProtocol")
+
+        port = self.listen(build=build)
+        self.clients(port, 1)
+        port.doRead()
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+    def test_an_accept_error_is_left_to_twisteds_own_loop(self) -> None:
+        import errno
+
+        port = self.listen()
+        calls: List[Any] = []
+
+        class Full:
+            def accept(self) -> Any:
+                raise OSError(errno.EMFILE, "Too many open files")
+
+        real, port.socket = port.socket, Full()
+        self.addCleanup(setattr, port, "socket", real)
+        self.patch(tcp.Port, "doRead", lambda self: calls.append(self))
+        port.doRead()
+        self.assertEqual(calls, [port])
+        self.assertEqual(self.made, [])
+
+    def test_an_ipv6_peer_keeps_its_scope_id_form(self) -> None:
+        port = self.listen(interface="::1")
+        (client,) = self.clients(port, 1)
+        port.doRead()
+        self.addCleanup(self.close_accepted)
+        peer = self.made[0].transport.getPeer()  # type: ignore[union-attr]
+        self.assertEqual((type(peer).__name__, peer.host, peer.port), ("IPv6Address", "::1", client.getsockname()[1]))
+
+    def test_the_installed_port_accepts_as_copied(self) -> None:
+        """Fails on a Twisted whose Port.doRead changed: read it against
+        AgentPort.doRead, then add its digest to CHECKED_PORT_DOREAD."""
+        import hashlib
+        import inspect
+        import textwrap
+
+        from rolemesh.event_loop import twisted_compat
+
+        source = textwrap.dedent(inspect.getsource(tcp.Port.doRead))
+        self.assertIn(hashlib.sha256(source.encode("utf-8")).hexdigest(), twisted_compat.CHECKED_PORT_DOREAD)
+        for piece in ("self.factory.buildProtocol(self._buildAddr(addr))", "self.sessionno = s + 1",
+                      "protocol.makeConnection(transport)", "self.numberAccepts += 20"):
+            self.assertIn(piece, source)
+
+    def test_another_port_doread_is_noticed(self) -> None:
+        from rolemesh.event_loop import twisted_compat
+
+        if twisted_compat.AgentEPollReactor is None:
+            raise SkipTest("no epoll here")
+        self.patch(twisted_compat, "CHECKED_PORT_DOREAD", frozenset({"0" * 64}))
+        self.assertIn("tcp.Port.doRead", twisted_compat.epoll_copy_differs() or "")
 
 
 class NoPrivateTwistedElsewhereTests(SynchronousTestCase):
