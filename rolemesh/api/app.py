@@ -85,7 +85,7 @@ ROUTES: Tuple[Route, ...] = (
     Route("GET", "/v1/node/registration", "node_routes.registration"),
     Route("GET", "/v1/node/devices/<device>/logs", "node_routes.device_logs"),
     Route("GET", "/v1/node/events", "node_routes.events_stream"),
-    Route("GET", "/metrics", "node_routes.metrics"),
+    Route("GET", "/metrics", "node_routes.metrics", fast=True),
     Route("POST", "/v1/node/devices/<device>/load", "node_routes.load"),
     Route("POST", "/v1/node/devices/<device>/unload", "node_routes.unload"),
     # OpenAI: chat, completions, embeddings, Responses, and the un-prefixed forms llama-server

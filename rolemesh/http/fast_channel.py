@@ -16,8 +16,9 @@ What passes is served in order, one answer at a time, in a loop (never by
 recursion):
 
 - the routes every inference request takes (``POST /v1/chat/completions``,
-  ``/v1/completions``, ``/v1/embeddings``) and the ``GET`` routes clients
-  ask between them (``/v1/models``, ``/health``, ``/ready``) are handed a
+  ``/v1/completions``, ``/v1/embeddings``, ...), the ``GET`` routes clients
+  ask between them (``/v1/models``, ``/health``, ``/ready``) and the
+  scrapers' ``/metrics`` are handed a
   :class:`FastRequest`, the slice of ``IRequest`` the proxy uses, at once;
 - anything else (other routes, a query string, HTTP/1.0, or every request
   with ``fast_path: false``) is written again, canonically (one

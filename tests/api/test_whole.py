@@ -348,6 +348,13 @@ class WholeApiTests(ApiTestCase):
                 self.assertError(self.h.call(method, path, {}, key=None), 401)
         self.assertEqual(self.h.agent.attempts, [])
 
+    def test_metrics_needs_a_key_and_answers_the_exposition(self) -> None:
+        self.assertEqual(self.h.call("GET", "/metrics", key=None).code, 401)
+        answer = self.h.call("GET", "/metrics")
+        self.assertEqual((answer.code, answer.header("content-type")),
+                         (200, "text/plain; version=0.0.4; charset=utf-8"))
+        self.assertIn(b"\nrolemesh_up 1\n", answer.body)
+
     def test_v1_health_is_health(self) -> None:
         answer = self.h.call("GET", "/v1/health", key=None)
         self.assertEqual((answer.code, answer.json()), (200, self.h.call("GET", "/health", key=None).json()))
