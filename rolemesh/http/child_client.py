@@ -43,6 +43,7 @@ from __future__ import annotations
 import re
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
+from twisted.internet import tcp
 from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.defer import CancelledError, Deferred, gatherResults, succeed
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
@@ -347,6 +348,9 @@ class ChildConnection(Protocol):
 
     def dataReceived(self, data: bytes) -> None:  # noqa: N802 - Twisted's name
         if self._state == _BODY:
+            if (self._framing == _CHUNKED and self._chunk_state == _SIZE and not self._buf
+                    and self._whole_chunk(data)):
+                return  # a stream's usual read, by the shortest way
             self._body_data(data)
         elif self._state == _WAITING:
             self._head_data(data)
@@ -439,7 +443,11 @@ class ChildConnection(Protocol):
         if end > 0 and _HEX.fullmatch(data, 0, end) is not None:
             stop = end + 2 + int(data[:end], 16)
             if stop > end + 2 and len(data) == stop + 2 and data.endswith(b"\r\n"):
-                self._deliver(data[end + 2:stop])
+                body = self._body
+                if body is not None:  # _deliver, inline
+                    body.dataReceived(data[end + 2:stop])
+                else:
+                    self._pending.append(data[end + 2:stop])
                 if self._pool.coalesce_s:  # off by default: no call per event then
                     self._maybe_hold(data)
                 return True
@@ -612,6 +620,17 @@ class _ConnectionFactory(Factory):
         return ChildConnection(self._pool, self._key)
 
 
+def _without_wrapper(conn: ChildConnection) -> None:
+    """Have a TCP connection's transport call ``conn`` itself from now on,
+    not the endpoint's ``_WrappingProtocol`` around it: once connected, that
+    only forwards each call (one more frame per read of a stream; the half-close
+    and descriptor interfaces it also forwards are not ``ChildConnection``'s).
+    Any other transport keeps what it has."""
+    transport = conn.transport
+    if isinstance(transport, tcp.Client) and getattr(transport.protocol, "_wrappedProtocol", None) is conn:
+        transport.protocol = conn
+
+
 class ChildAgent:
     """An ``IAgent`` for ``http://`` children, with its own connection pool.
 
@@ -705,6 +724,7 @@ class ChildAgent:
                 return
             attempt.conn = conn
             self._open[conn] = None
+            _without_wrapper(conn)
             conn.send(data, result, self.persistent, head)
 
         def failed(failure: Failure) -> None:

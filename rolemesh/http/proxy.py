@@ -201,7 +201,8 @@ class _Relay(Protocol):
     ``timings`` (:func:`rolemesh.http.prompt_cache.prompt_timings` over its last
     two reads): a stream's when its ``[DONE]`` is in, else at the body's end."""
 
-    def __init__(self, request: ProxiedRequest, ended: Callable[[bool], None], on_data: Callable[[], None],
+    def __init__(self, request: ProxiedRequest, ended: Callable[[bool], None], clock: Callable[[], float],
+                 on_first: Optional[Callable[[], None]] = None,
                  watch_done: bool = False, timings: Optional[TimingsCallback] = None,
                  ends: Sequence[bytes] = (), usage_first: bool = False,
                  first_read: Optional[Callable[[bytes], bool]] = None) -> None:
@@ -209,7 +210,12 @@ class _Relay(Protocol):
         self._first_read = first_read
         self._first_bytes = b""
         self._ended = ended
-        self._on_data = on_data
+        self._clock = clock
+        #: Told of the first read, once.
+        self._on_first = on_first
+        #: When the last read came (``clock``): what the idle deadline checks,
+        #: instead of a timer moved on every event.
+        self.last_read = clock()
         self.answered = False
         self._timings = timings
         #: The last read and the one before it (where the timings are).
@@ -229,7 +235,10 @@ class _Relay(Protocol):
         self._request.registerProducer(self.transport, True)  # type: ignore[arg-type]  # a TransportProxyProducer
 
     def dataReceived(self, data: bytes) -> None:
-        self._on_data()
+        if self._on_first is not None:
+            first, self._on_first = self._on_first, None
+            first()
+        self.last_read = self._clock()
         self._request.write(data)
         if self._first_read is not None:
             self._first_bytes = (self._first_bytes + data)[:FIRST_READ_BYTES]
@@ -391,15 +400,20 @@ class Forward:
             self._idle = None
         if self.done:
             return
+        if which == "idle" and self.relay is not None:
+            # The relay notes when each read came; the timer is moved here,
+            # once per idle_timeout at most, not on every event.
+            left = self.relay.last_read + self.idle_timeout - self.proxy.reactor.seconds()  # type: ignore[operator]
+            if left > 0:
+                self._idle = self.proxy.reactor.callLater(left, self._expire, "idle")
+                return
         self.expired = which
         self._abort_upstream()
 
-    def _on_data(self) -> None:
+    def _first_data(self) -> None:
         if self.on_first_byte is not None:
             notify, self.on_first_byte = self.on_first_byte, None
             notify()
-        if self._idle is not None and self._idle.active():
-            self._idle.reset(self.idle_timeout)  # type: ignore[arg-type]  # an _idle timer means an idle_timeout
 
     def _stop_timers(self) -> None:
         for timer in (self._deadline, self._idle):
@@ -469,11 +483,13 @@ class Forward:
                     found = anthropic_usage(body)
                 tell_timings(timings, found)
             if body:
-                self._on_data()
+                self._first_data()
                 request.write(body)
             self._body_ended(True)
             return
-        self.relay = _Relay(request, self._body_ended, self._on_data, watch_done=self.event_stream,
+        self.relay = _Relay(request, self._body_ended, self.proxy.reactor.seconds,
+                            self._first_data if self.on_first_byte is not None else None,
+                            watch_done=self.event_stream,
                             timings=timings, ends=self.stream_ends,
                             usage_first=self.shape is not None and self.shape.api == "anthropic",
                             first_read=self.shape.first_read if self.shape is not None else None)

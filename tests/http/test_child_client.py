@@ -6,7 +6,9 @@ from typing import Any, List, Optional, Tuple
 
 from hypothesis import given
 from hypothesis import strategies as st
-from twisted.internet import defer
+from twisted.internet import defer, tcp
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import _WrappingProtocol
 from twisted.internet.error import ConnectError, ConnectionDone, ConnectionLost, ConnectionRefusedError
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Protocol, connectionDone
@@ -19,7 +21,7 @@ from twisted.web.http_headers import Headers
 from zope.interface.verify import verifyObject
 
 from rolemesh.event_loop.twisted_compat import never_sent
-from rolemesh.http.child_client import BadResponse, ChildAgent, parse_head
+from rolemesh.http.child_client import BadResponse, ChildAgent, ChildConnection, _without_wrapper, parse_head
 from rolemesh.http.proxy import BytesProducer
 
 URL = b"http://127.0.0.1:20000/v1/chat/completions"
@@ -367,6 +369,36 @@ class ChildAgentTests(SynchronousTestCase):
     def test_only_http(self) -> None:
         self.assertRaises(ValueError, self.agent.request, b"POST", b"https://127.0.0.1:1/x", HEADERS,
                           BytesProducer(b""))
+
+
+class WrapperTests(SynchronousTestCase):
+    """Once connected, a TCP transport calls the ChildConnection itself, not
+    the endpoint's forwarding wrapper around it."""
+
+    def conn_on(self, transport: Any) -> Any:
+        agent = ChildAgent(MemoryReactorClock())
+        conn = ChildConnection(agent, ("127.0.0.1", 20000))
+        conn.transport = transport
+        return conn
+
+    def test_a_tcp_transport_calls_the_connection_itself(self) -> None:
+        transport = object.__new__(tcp.Client)  # its state only: nothing connects
+        conn = self.conn_on(transport)
+        transport.protocol = _WrappingProtocol(Deferred(), conn)
+        _without_wrapper(conn)
+        self.assertIs(transport.protocol, conn)
+
+    def test_anything_else_is_left_as_it_is(self) -> None:
+        transport = object.__new__(tcp.Client)
+        conn = self.conn_on(transport)
+        other = _WrappingProtocol(Deferred(), Protocol())
+        transport.protocol = other
+        _without_wrapper(conn)
+        self.assertIs(transport.protocol, other, "a wrapper of another protocol")
+        fake = Transport()
+        fake.protocol = wrapper = _WrappingProtocol(Deferred(), conn)  # type: ignore[attr-defined]
+        _without_wrapper(self.conn_on(fake))
+        self.assertIs(fake.protocol, wrapper, "not a TCP transport")  # type: ignore[attr-defined]
 
 
 class CoalescingTests(SynchronousTestCase):

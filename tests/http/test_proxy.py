@@ -710,6 +710,26 @@ class IdleTimeoutTests(ProxyTestCase):
         self.assertEqual(self.request.aborted, 0, "a stream ends cleanly, with [DONE]")
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
+    def test_events_move_no_timer_and_the_deadline_counts_from_the_last(self) -> None:
+        d = self.proxy.forward(self.request, BASE, "/v1/chat/completions", b"{}", True, timeout=600,
+                               idle_timeout=30)
+        response = self.agent.last.respond(self.event_stream())
+        [timer] = self.clock.getDelayedCalls()
+        for _ in range(25):  # an event a second: the deadline's timer stays where it was set
+            self.clock.advance(1)
+            response.send(b'data: {"choices": []}\n\n')
+        self.assertEqual(self.clock.getDelayedCalls(), [timer])
+        self.assertEqual(timer.getTime(), 30)
+        self.clock.advance(5)  # at 30 it finds the last event 5 s old: 25 s more from now
+        [moved] = self.clock.getDelayedCalls()
+        self.assertEqual(moved.getTime(), 55)
+        self.clock.advance(24.5)
+        self.assertEqual(response.transport.stopped, 0)
+        self.clock.advance(0.5)
+        self.assertEqual(response.transport.stopped, 1, "30 s after the last event")
+        response.cut()
+        self.assertEqual(self.successResultOf(d), STALLED)
+
     def test_a_body_that_stalls_is_cut(self) -> None:
         d = self.proxy.forward(self.request, BASE, "/v1/completions", b"{}", False, timeout=600, idle_timeout=30)
         response = self.agent.last.respond(FakeResponse())
