@@ -348,9 +348,10 @@ class ChildConnection(Protocol):
 
     def dataReceived(self, data: bytes) -> None:  # noqa: N802 - Twisted's name
         if self._state == _BODY:
-            if (self._framing == _CHUNKED and self._chunk_state == _SIZE and not self._buf
-                    and self._whole_chunk(data)):
-                return  # a stream's usual read, by the shortest way
+            if self._framing == _CHUNKED:  # _chunked_data, one frame shorter: a stream's every read
+                if self._chunk_state != _SIZE or self._buf or not self._whole_chunk(data):
+                    self._chunk_loop(data)
+                return
             self._body_data(data)
         elif self._state == _WAITING:
             self._head_data(data)
@@ -443,19 +444,22 @@ class ChildConnection(Protocol):
         if end > 0 and _HEX.fullmatch(data, 0, end) is not None:
             stop = end + 2 + int(data[:end], 16)
             if stop > end + 2 and len(data) == stop + 2 and data.endswith(b"\r\n"):
-                body = self._body
+                payload, body = data[end + 2:stop], self._body
                 if body is not None:  # _deliver, inline
-                    body.dataReceived(data[end + 2:stop])
+                    body.dataReceived(payload)
                 else:
-                    self._pending.append(data[end + 2:stop])
+                    self._pending.append(payload)
                 if self._pool.coalesce_s:  # off by default: no call per event then
                     self._maybe_hold(data)
                 return True
         return False
 
     def _chunked_data(self, data: bytes) -> None:
-        if self._chunk_state == _SIZE and not self._buf and self._whole_chunk(data):
-            return
+        if self._chunk_state != _SIZE or self._buf or not self._whole_chunk(data):
+            self._chunk_loop(data)
+
+    def _chunk_loop(self, data: bytes) -> None:
+        """The general chunked decoder: parts, several chunks, extensions, the last chunk and trailers."""
         buf = self._buf + data if self._buf else data
         out: List[bytes] = []
         pos, size = 0, len(buf)
